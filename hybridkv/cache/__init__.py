@@ -1,0 +1,1 @@
+"""The hybrid cache: pure bookkeeping (blocks, slots, snapshots) over preallocated tensor pools."""

@@ -1,0 +1,112 @@
+"""What one forward pass reads from and writes to the cache.
+
+The cache builds a `ForwardBatch` in `begin_forward`; the model only indexes the tensors it
+carries. Token layout of a batch (flat, `T` tokens, `N` sequences):
+
+    tokens:   | seq 0: q_lens[0] tokens | seq 1: q_lens[1] tokens | ... |
+    cu_seqlens: 0 ........................ q0 ....................... T
+
+Sequence i's new tokens sit at positions `start_lens[i] .. start_lens[i] + q_lens[i] - 1`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class CacheTensors:
+    """The preallocated pools. Attention layer `a` and linear layer `j` are numbered in layer order
+    among layers of their own kind.
+
+    key[a], value[a]:   [num_blocks, block_size, Hkv, hd]   (compute dtype)
+    conv[j]:            [num_slots, C, K-1]                 float32, last column = newest input
+    delta[j]:           [num_slots, Hv, dk, dv]             float32
+    snap_conv[j]:       [num_snapshots, C, K-1]             float32
+    snap_delta[j]:      [num_snapshots, Hv, dk, dv]         float32
+    """
+
+    key: list[torch.Tensor]
+    value: list[torch.Tensor]
+    conv: list[torch.Tensor]
+    delta: list[torch.Tensor]
+    snap_conv: list[torch.Tensor]
+    snap_delta: list[torch.Tensor]
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    """One forward's view of the cache; valid only until the next cache operation.
+
+    seq_ids:        the sequences, in token order
+    q_lens:         new tokens per sequence (>= 1)
+    start_lens:     tokens already cached per sequence before this forward
+    cu_seqlens:     [N+1] int64, cumulative q_lens
+    positions:      [T] int64, absolute position of every new token
+    block_tables:   [N, max_blocks] int64, block ids covering positions 0..kv_len-1 (padded with 0)
+    kv_lens:        [N] int64, start_lens + q_lens
+    slot_mapping:   [T] int64, row of each new token in the flat [num_blocks * block_size] K/V view
+    state_slots:    [N] int64, recurrent state slot of each sequence (private: copy-on-write done)
+    snapshot_at:    [S] int64, ascending flat token indices after which the recurrent state is kept
+    snapshot_ids:   [S] int64, snapshot pool rows receiving those states
+    """
+
+    seq_ids: tuple[int, ...]
+    q_lens: tuple[int, ...]
+    start_lens: tuple[int, ...]
+    cu_seqlens: torch.Tensor
+    positions: torch.Tensor
+    block_tables: torch.Tensor
+    kv_lens: torch.Tensor
+    slot_mapping: torch.Tensor
+    state_slots: torch.Tensor
+    snapshot_at: torch.Tensor
+    snapshot_ids: torch.Tensor
+    tensors: CacheTensors
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.numel())
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence feeds exactly one token: the recurrent step forms apply."""
+        return all(n == 1 for n in self.q_lens)
+
+    # -- attention layers -------------------------------------------------------------------
+
+    def store_kv(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Write this batch's key/value rows `[T, Hkv, hd]` of attention layer `layer`."""
+        k_pool, v_pool = self.tensors.key[layer], self.tensors.value[layer]
+        k_pool.view(-1, *k_pool.shape[2:]).index_copy_(0, self.slot_mapping, key.to(k_pool.dtype))
+        v_pool.view(-1, *v_pool.shape[2:]).index_copy_(0, self.slot_mapping, value.to(v_pool.dtype))
+
+    def kv_pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.tensors.key[layer], self.tensors.value[layer]
+
+    # -- linear-attention layers ------------------------------------------------------------
+
+    def linear_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the live states of linear layer `layer`: conv `[N, C, K-1]`, delta `[N, Hv, dk, dv]`."""
+        return (
+            self.tensors.conv[layer].index_select(0, self.state_slots),
+            self.tensors.delta[layer].index_select(0, self.state_slots),
+        )
+
+    def store_linear_state(
+        self,
+        layer: int,
+        conv: torch.Tensor,
+        delta: torch.Tensor,
+        conv_snapshots: torch.Tensor,
+        delta_snapshots: torch.Tensor,
+    ) -> None:
+        """Write the final states `[N, ...]` and the states after `snapshot_at` `[S, ...]`."""
+        t = self.tensors
+        t.conv[layer].index_copy_(0, self.state_slots, conv.to(torch.float32))
+        t.delta[layer].index_copy_(0, self.state_slots, delta.to(torch.float32))
+        if self.snapshot_ids.numel():
+            t.snap_conv[layer].index_copy_(0, self.snapshot_ids, conv_snapshots.to(torch.float32))
+            t.snap_delta[layer].index_copy_(0, self.snapshot_ids, delta_snapshots.to(torch.float32))

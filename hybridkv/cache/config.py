@@ -1,0 +1,126 @@
+"""What the user sets (`CacheConfig`), what the model dictates (`CacheSpec`), and the pool sizes
+that follow from both (`PoolSizes`), computed before anything is allocated."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Cache settings; every field has a working default.
+
+    kv_bytes / state_bytes / snapshot_bytes: byte budgets of the attention KV blocks, the live
+        recurrent state slots and the snapshot pool. `None` sizes the pool for `max_sequences`
+        sequences of `max_model_len` tokens (and `snapshots_per_sequence` snapshots each).
+    max_sequences: live sequences at once (each holds at most one recurrent state slot).
+    snapshot_interval: keep a snapshot whenever a sequence's length reaches a multiple of it
+        (after positions interval-1, 2*interval-1, ...); 0 turns interval snapshots off.
+    """
+
+    kv_bytes: int | None = None
+    state_bytes: int | None = None
+    snapshot_bytes: int | None = None
+    max_sequences: int = 16
+    max_model_len: int = 4096
+    block_size: int = 16
+    snapshot_interval: int = 256
+    snapshots_per_sequence: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("max_sequences", "max_model_len", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"CacheConfig.{name} must be a positive int, got {value!r}")
+        for name in ("snapshot_interval", "snapshots_per_sequence"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"CacheConfig.{name} must be an int >= 0, got {value!r}")
+        for name in ("kv_bytes", "state_bytes", "snapshot_bytes"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ValueError(f"CacheConfig.{name} must be None or an int >= 0 (bytes), got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSpec:
+    """Shapes and dtypes of what the cache stores for one model, and what they cost in bytes."""
+
+    num_attention_layers: int
+    num_kv_heads: int  # Hkv
+    head_dim: int  # hd
+    kv_dtype: torch.dtype
+    num_linear_layers: int
+    conv_channels: int  # C
+    conv_kernel: int  # K
+    num_value_heads: int  # Hv
+    key_head_dim: int  # dk
+    value_head_dim: int  # dv
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        itemsize = torch.empty((), dtype=self.kv_dtype).element_size()
+        return self.num_attention_layers * 2 * self.num_kv_heads * self.head_dim * itemsize
+
+    @property
+    def state_bytes_per_sequence(self) -> int:
+        """One slot or one snapshot: conv `[C, K-1]` + delta `[Hv, dk, dv]` float32 per linear layer."""
+        per_layer = self.conv_channels * (self.conv_kernel - 1)
+        per_layer += self.num_value_heads * self.key_head_dim * self.value_head_dim
+        return self.num_linear_layers * per_layer * 4
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSizes:
+    num_blocks: int
+    num_slots: int
+    num_snapshots: int
+    kv_bytes: int
+    state_bytes: int
+    snapshot_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.kv_bytes + self.state_bytes + self.snapshot_bytes
+
+    @staticmethod
+    def plan(spec: CacheSpec, config: CacheConfig) -> PoolSizes:
+        """Turn budgets into pool sizes; refuse a budget that cannot hold one max-length sequence."""
+        blocks_per_sequence = math.ceil(config.max_model_len / config.block_size)
+        block_bytes = spec.kv_bytes_per_token * config.block_size
+        if config.kv_bytes is None or block_bytes == 0:
+            num_blocks = config.max_sequences * blocks_per_sequence
+        else:
+            num_blocks = config.kv_bytes // block_bytes
+        if num_blocks < blocks_per_sequence:
+            raise ValueError(
+                f"CacheConfig.kv_bytes={config.kv_bytes} holds {num_blocks * config.block_size} tokens of KV "
+                f"({block_bytes} bytes per {config.block_size}-token block), but one sequence of "
+                f"max_model_len={config.max_model_len} needs {blocks_per_sequence * block_bytes} bytes: "
+                "raise kv_bytes or lower max_model_len"
+            )
+        slot_bytes = spec.state_bytes_per_sequence
+        if config.state_bytes is None or slot_bytes == 0:
+            num_slots = config.max_sequences
+        else:
+            num_slots = min(config.max_sequences, config.state_bytes // slot_bytes)
+        if num_slots < 1:
+            raise ValueError(
+                f"CacheConfig.state_bytes={config.state_bytes} cannot hold one sequence's recurrent state "
+                f"({slot_bytes} bytes): raise state_bytes"
+            )
+        if config.snapshot_bytes is None:
+            num_snapshots = config.max_sequences * config.snapshots_per_sequence
+        else:
+            num_snapshots = config.snapshot_bytes // slot_bytes if slot_bytes else 0
+        return PoolSizes(
+            num_blocks=num_blocks,
+            num_slots=num_slots,
+            num_snapshots=num_snapshots,
+            kv_bytes=num_blocks * block_bytes,
+            state_bytes=num_slots * slot_bytes,
+            snapshot_bytes=num_snapshots * slot_bytes,
+        )

@@ -1,0 +1,418 @@
+"""The hybrid cache: paged KV for attention layers, state slots and snapshots for linear layers.
+
+Every public operation checks what it needs first and raises (`CacheFull`, `ValueError`) before
+changing anything, so an error never leaves half-changed bookkeeping behind.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridkv.cache.batch import CacheTensors, ForwardBatch
+from hybridkv.cache.config import CacheConfig, CacheSpec, PoolSizes
+from hybridkv.cache.refpool import RefPool
+from hybridkv.cache.snapshots import SnapshotPool, SnapshotRing
+from hybridkv.errors import CacheFull, IntegrityError
+
+
+@dataclass(slots=True)
+class _Sequence:
+    length: int
+    ring: SnapshotRing
+    block_table: list[int] = field(default_factory=list)
+    slot: int | None = None  # None until the first forward (a zero state needs no slot yet)
+    live_valid: bool = True  # False after a forward that raised: the live state is unusable
+
+
+@dataclass(slots=True)
+class _Pending:
+    batch: ForwardBatch
+    snapshots: list[int]
+
+
+class HybridCache:
+    """Bookkeeping plus tensor pools for one model. Not thread-safe: one caller drives it."""
+
+    def __init__(self, spec: CacheSpec, config: CacheConfig, device: str | torch.device = "cpu") -> None:
+        self.spec = spec
+        self.config = config
+        self.sizes = PoolSizes.plan(spec, config)
+        self.blocks = RefPool("KV block", self.sizes.num_blocks)
+        self.slots = RefPool("state slot", self.sizes.num_slots)
+        self.snapshots = SnapshotPool(self.sizes.num_snapshots)
+        self.tensors = self._allocate(device)
+        self._seqs: dict[int, _Sequence] = {}
+        self._next_id = 0
+        self._pending: _Pending | None = None
+
+    def _allocate(self, device: str | torch.device) -> CacheTensors:
+        s, z = self.spec, self.sizes
+        f32 = torch.float32
+
+        def kv() -> list[torch.Tensor]:
+            shape = (z.num_blocks, self.config.block_size, s.num_kv_heads, s.head_dim)
+            return [
+                torch.zeros(shape, dtype=s.kv_dtype, device=device) for _ in range(s.num_attention_layers)
+            ]
+
+        def states(rows: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+            conv = [
+                torch.zeros(rows, s.conv_channels, s.conv_kernel - 1, dtype=f32, device=device)
+                for _ in range(s.num_linear_layers)
+            ]
+            delta = [
+                torch.zeros(
+                    rows, s.num_value_heads, s.key_head_dim, s.value_head_dim, dtype=f32, device=device
+                )
+                for _ in range(s.num_linear_layers)
+            ]
+            return conv, delta
+
+        conv, delta = states(z.num_slots)
+        snap_conv, snap_delta = states(z.num_snapshots)
+        return CacheTensors(kv(), kv(), conv, delta, snap_conv, snap_delta)
+
+    # -- sequences ----------------------------------------------------------------------------
+
+    def add_sequence(self) -> int:
+        """A new empty sequence; CacheFull when `max_sequences` are live."""
+        if len(self._seqs) >= self.config.max_sequences:
+            raise CacheFull(f"{len(self._seqs)} sequences are live (CacheConfig.max_sequences)")
+        seq = self._next_id
+        self._next_id += 1
+        self._seqs[seq] = _Sequence(0, SnapshotRing(self.snapshots, self.config.snapshots_per_sequence))
+        return seq
+
+    def length(self, seq: int) -> int:
+        return self._get(seq).length
+
+    def sequences(self) -> list[int]:
+        return list(self._seqs)
+
+    def snapshot_positions(self, seq: int) -> list[int]:
+        return sorted(pos for pos, _ in self._get(seq).ring.entries)
+
+    def _get(self, seq: int) -> _Sequence:
+        try:
+            return self._seqs[seq]
+        except KeyError:
+            raise ValueError(f"unknown sequence {seq!r}") from None
+
+    def _check_position(self, seq: int, p: int) -> _Sequence:
+        s = self._get(seq)
+        if not isinstance(p, int) or not 0 <= p <= s.length:
+            raise ValueError(f"position {p!r} is outside 0..{s.length} (the length of sequence {seq})")
+        return s
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def begin_forward(
+        self, batch: Mapping[int, int], snapshot_positions: Mapping[int, Iterable[int]] | None = None
+    ) -> ForwardBatch:
+        """Reserve room for `batch` (sequence -> new token count) and describe it for the model.
+
+        Snapshots are planned at every multiple of `snapshot_interval` reached and at the requested
+        `snapshot_positions` (absolute positions inside the new tokens; others are ignored).
+        Copy-on-write of shared slots and shared partial blocks happens here, before the model runs.
+        """
+        if self._pending is not None:
+            raise RuntimeError("a forward is already in progress: call end_forward first")
+        if not batch:
+            raise ValueError("empty batch: feed at least one token")
+        bs = self.config.block_size
+        need_blocks = need_slots = 0
+        for seq, n in batch.items():
+            s = self._get(seq)
+            if not isinstance(n, int) or n < 1:
+                raise ValueError(f"sequence {seq}: token count must be >= 1, got {n!r}")
+            if s.length + n > self.config.max_model_len:
+                raise ValueError(
+                    f"sequence {seq}: {s.length} + {n} tokens exceed max_model_len={self.config.max_model_len}"
+                )
+            if not s.live_valid:
+                raise ValueError(f"sequence {seq}: its last forward failed; truncate it before feeding")
+            need_blocks += math.ceil((s.length + n) / bs) - len(s.block_table)
+            if s.length % bs and self.blocks.refcount(s.block_table[-1]) > 1:
+                need_blocks += 1
+            if self.spec.num_linear_layers and (s.slot is None or self.slots.refcount(s.slot) > 1):
+                need_slots += 1
+        if need_blocks > self.blocks.num_free:
+            raise CacheFull(
+                f"KV cache full: this batch needs {need_blocks} blocks, {self.blocks.num_free} free"
+            )
+        if need_slots > self.slots.num_free:
+            raise CacheFull(f"state slots full: this batch needs {need_slots}, {self.slots.num_free} free")
+
+        positions, slot_mapping, tables, snapshot_at, snapshot_ids = [], [], [], [], []
+        offset = 0
+        for seq, n in batch.items():
+            s = self._seqs[seq]
+            self._make_last_block_private(s)
+            while len(s.block_table) < math.ceil((s.length + n) / bs):
+                s.block_table.append(self.blocks.alloc())
+            if self.spec.num_linear_layers:
+                self._make_slot_private(s)
+            pos = torch.arange(s.length, s.length + n)
+            table = torch.tensor(s.block_table, dtype=torch.int64)
+            positions.append(pos)
+            slot_mapping.append(table[pos // bs] * bs + pos % bs)
+            tables.append(table)
+            wanted = set(snapshot_positions.get(seq, ()) if snapshot_positions else ())
+            for p in self._plan_snapshots(s, n, wanted):
+                snap = s.ring.record(p)
+                if snap is not None:
+                    snapshot_at.append(offset + p - s.length)
+                    snapshot_ids.append(snap)
+            offset += n
+
+        seq_ids = tuple(batch)
+        q_lens = tuple(batch.values())
+        start_lens = tuple(self._seqs[seq].length for seq in seq_ids)
+        for seq, n in batch.items():
+            self._seqs[seq].length += n
+        block_tables = torch.zeros(len(tables), max(len(t) for t in tables), dtype=torch.int64)
+        for i, t in enumerate(tables):
+            block_tables[i, : len(t)] = t
+        fb = ForwardBatch(
+            seq_ids=seq_ids,
+            q_lens=q_lens,
+            start_lens=start_lens,
+            cu_seqlens=torch.tensor([0, *q_lens], dtype=torch.int64).cumsum(0),
+            positions=torch.cat(positions),
+            block_tables=block_tables,
+            kv_lens=torch.tensor([a + b for a, b in zip(start_lens, q_lens)], dtype=torch.int64),
+            slot_mapping=torch.cat(slot_mapping),
+            state_slots=torch.tensor(
+                [self._seqs[seq].slot if self._seqs[seq].slot is not None else 0 for seq in seq_ids],
+                dtype=torch.int64,
+            ),
+            snapshot_at=torch.tensor(snapshot_at, dtype=torch.int64),
+            snapshot_ids=torch.tensor(snapshot_ids, dtype=torch.int64),
+            tensors=self.tensors,
+        )
+        self._pending = _Pending(fb, snapshot_ids)
+        return fb
+
+    def _plan_snapshots(self, s: _Sequence, n: int, wanted: set[int]) -> list[int]:
+        interval = self.config.snapshot_interval
+        first, last = s.length, s.length + n - 1
+        planned = {p for p in wanted if first <= p <= last}
+        if interval:
+            planned.update(range(first + (-(first + 1)) % interval, last + 1, interval))
+        # Only the newest `capacity` can survive in the ring anyway.
+        return sorted(planned)[-self.config.snapshots_per_sequence :] if s.ring.capacity else []
+
+    def end_forward(self, fb: ForwardBatch) -> None:
+        """The model wrote everything `fb` described: its snapshots become restorable."""
+        pending = self._take_pending(fb)
+        self.snapshots.mark_complete(pending.snapshots)
+
+    def abort_forward(self, fb: ForwardBatch) -> None:
+        """The model raised mid-forward: undo the lengths, drop the batch's snapshots and mark the
+        live states unusable (a later `truncate` restores them from snapshots)."""
+        pending = self._take_pending(fb)
+        self.snapshots.drop_pending(pending.snapshots)
+        for seq, start in zip(fb.seq_ids, fb.start_lens):
+            s = self._seqs[seq]
+            self._cut_blocks(s, start)
+            s.length = start
+            s.live_valid = start == 0
+            if start == 0 and s.slot is not None:  # an empty sequence must start from zeros
+                self.slots.decref(s.slot)
+                s.slot = None
+
+    def _take_pending(self, fb: ForwardBatch) -> _Pending:
+        if self._pending is None or self._pending.batch is not fb:
+            raise RuntimeError("this ForwardBatch is not the forward in progress")
+        pending, self._pending = self._pending, None
+        return pending
+
+    # -- fork / truncate / release ------------------------------------------------------------
+
+    def fork(self, src: int, length: int | None = None) -> tuple[int, int]:
+        """A new sequence holding `src`'s first `length` tokens (default: all).
+
+        Returns (new sequence, keep): the child already holds `keep` tokens; the caller re-feeds
+        tokens keep..length-1. With the whole live history this is O(1): blocks, slot and
+        snapshots are shared by reference and copied only when written.
+        """
+        s = self._get(src)
+        length = s.length if length is None else length
+        self._check_position(src, length)
+        if len(self._seqs) >= self.config.max_sequences:
+            raise CacheFull(f"{len(self._seqs)} sequences are live (CacheConfig.max_sequences)")
+        if length == s.length and s.live_valid:
+            keep, best = length, None
+        else:
+            best = s.ring.best(length)
+            keep = best[0] + 1 if best else 0
+            self._check_refeed_room(s, keep, length, need_slot=length > 0, shares_table=True)
+        child_id = self.add_sequence()
+        child = self._seqs[child_id]
+        child.length = keep
+        child.block_table = s.block_table[: math.ceil(keep / self.config.block_size)]
+        for block in child.block_table:
+            self.blocks.incref(block)
+        for pos, snap in s.ring.entries:
+            if pos < keep:
+                child.ring.adopt(pos, snap)
+        if keep == length and best is None:
+            child.slot = s.slot
+            if s.slot is not None:
+                self.slots.incref(s.slot)
+        elif length > 0 and self.spec.num_linear_layers:
+            child.slot = self.slots.alloc()
+            self._load_slot(child.slot, best[1] if best else None)
+        return child_id, keep
+
+    def truncate(self, seq: int, p: int) -> int:
+        """Cut `seq` to its first `p` tokens, restoring the newest snapshot at a position <= p-1.
+
+        Returns keep (that position + 1, or 0 when there is none; `p` itself when p is the
+        length): the sequence now holds `keep` tokens, the caller re-feeds tokens keep..p-1. Room
+        for that re-feed is checked first, so it cannot fail with CacheFull.
+        """
+        s = self._check_position(seq, p)
+        if p == s.length and s.live_valid:
+            return p
+        best = s.ring.best(p) if p > 0 else None
+        keep = best[0] + 1 if best else 0
+        self._check_refeed_room(s, keep, p, need_slot=p > 0 and self._slot_is_shared(s), shares_table=False)
+        self._cut_blocks(s, keep)
+        s.length = keep
+        s.live_valid = True
+        if best:
+            s.ring.prune_after(best[0])
+        else:
+            s.ring.reset()
+        if self.spec.num_linear_layers and s.slot is not None:
+            if p == 0:
+                self.slots.decref(s.slot)
+                s.slot = None
+            else:
+                self._make_slot_private(s)
+                self._load_slot(s.slot, best[1] if best else None)
+        return keep
+
+    def release(self, seq: int) -> None:
+        """Forget `seq`; its blocks, slot and snapshots are freed unless another sequence shares them."""
+        s = self._get(seq)
+        if self._pending is not None and seq in self._pending.batch.seq_ids:
+            raise RuntimeError(f"sequence {seq} is in the forward in progress")
+        self._cut_blocks(s, 0)
+        if s.slot is not None:
+            self.slots.decref(s.slot)
+        s.ring.reset()
+        del self._seqs[seq]
+
+    def can_resume(self, seq: int, p: int) -> bool:
+        """True iff `truncate(seq, p)` would recompute nothing."""
+        s = self._check_position(seq, p)
+        if p == 0 or (p == s.length and s.live_valid):
+            return True
+        best = s.ring.best(p)
+        return best is not None and best[0] == p - 1
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _slot_is_shared(self, s: _Sequence) -> bool:
+        return s.slot is None or self.slots.refcount(s.slot) > 1
+
+    def _check_refeed_room(
+        self, s: _Sequence, keep: int, p: int, need_slot: bool, shares_table: bool
+    ) -> None:
+        """Raise CacheFull unless cutting to `keep` and re-feeding up to `p` fits."""
+        bs = self.config.block_size
+        kept = math.ceil(keep / bs)
+        freed = 0 if shares_table else sum(1 for b in s.block_table[kept:] if self.blocks.refcount(b) == 1)
+        needed = math.ceil(p / bs) - kept
+        if keep % bs and p > keep and (shares_table or self.blocks.refcount(s.block_table[kept - 1]) > 1):
+            needed += 1
+        if needed > self.blocks.num_free + freed:
+            raise CacheFull(f"KV cache full: re-feeding {p - keep} tokens needs {needed} blocks")
+        if need_slot and self.spec.num_linear_layers and self.slots.num_free < 1:
+            raise CacheFull("state slots full: restoring a snapshot needs a free slot")
+
+    def _cut_blocks(self, s: _Sequence, keep: int) -> None:
+        kept = math.ceil(keep / self.config.block_size)
+        for block in s.block_table[kept:]:
+            self.blocks.decref(block)
+        del s.block_table[kept:]
+
+    def _make_last_block_private(self, s: _Sequence) -> None:
+        if not s.length % self.config.block_size:
+            return
+        old = s.block_table[-1]
+        if self.blocks.refcount(old) == 1:
+            return
+        new = self.blocks.alloc()
+        for pool in (*self.tensors.key, *self.tensors.value):
+            pool[new].copy_(pool[old])
+        self.blocks.decref(old)
+        s.block_table[-1] = new
+
+    def _make_slot_private(self, s: _Sequence) -> None:
+        if s.slot is not None and self.slots.refcount(s.slot) == 1:
+            return
+        new = self.slots.alloc()
+        for pool in (*self.tensors.conv, *self.tensors.delta):
+            if s.slot is None:
+                pool[new].zero_()
+            else:
+                pool[new].copy_(pool[s.slot])
+        if s.slot is not None:
+            self.slots.decref(s.slot)
+        s.slot = new
+
+    def _load_slot(self, slot: int, snap: int | None) -> None:
+        """Fill `slot` with snapshot `snap`, or zeros (the state before any token)."""
+        t = self.tensors
+        for live, saved in zip((*t.conv, *t.delta), (*t.snap_conv, *t.snap_delta)):
+            if snap is None:
+                live[slot].zero_()
+            else:
+                live[slot].copy_(saved[snap])
+
+    # -- integrity and accounting -------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Raise IntegrityError unless refcounts equal references, free + used = total for blocks,
+        slots and snapshots, and no sequence points at a freed object."""
+        bs = self.config.block_size
+        block_refs: dict[int, int] = {}
+        slot_refs: dict[int, int] = {}
+        for seq, s in self._seqs.items():
+            if len(s.block_table) != math.ceil(s.length / bs):
+                raise IntegrityError(f"sequence {seq}: {len(s.block_table)} blocks for {s.length} tokens")
+            for block in s.block_table:
+                block_refs[block] = block_refs.get(block, 0) + 1
+            if s.slot is not None:
+                slot_refs[s.slot] = slot_refs.get(s.slot, 0) + 1
+            elif s.length and self.spec.num_linear_layers:
+                raise IntegrityError(f"sequence {seq} holds {s.length} tokens but no state slot")
+            if len(s.ring.entries) > s.ring.capacity:
+                raise IntegrityError(f"sequence {seq}: ring over capacity")
+            for pos, _ in s.ring.entries:
+                if pos >= s.length and self._pending is None:
+                    raise IntegrityError(f"sequence {seq}: snapshot at {pos} beyond length {s.length}")
+        self.blocks.check(block_refs)
+        self.slots.check(slot_refs)
+        self.snapshots.check_integrity([s.ring for s in self._seqs.values()])
+
+    def memory(self) -> dict[str, int]:
+        """Bytes allocated and in use, by pool."""
+        z, spec = self.sizes, self.spec
+        block_bytes = spec.kv_bytes_per_token * self.config.block_size
+        state = spec.state_bytes_per_sequence
+        return {
+            "kv_bytes_total": z.kv_bytes,
+            "kv_bytes_used": self.blocks.num_used * block_bytes,
+            "state_bytes_total": z.state_bytes,
+            "state_bytes_used": self.slots.num_used * state,
+            "snapshot_bytes_total": z.snapshot_bytes,
+            "snapshot_bytes_used": self.snapshots.ids.num_used * state,
+        }

@@ -1,0 +1,228 @@
+"""`CachedModel`: a model and its hybrid cache behind one small API of sequences and tokens."""
+
+from __future__ import annotations
+
+import operator
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from hybridkv.cache.config import CacheConfig, CacheSpec, PoolSizes
+from hybridkv.cache.hybrid import HybridCache
+from hybridkv.models.config import ModelConfig
+from hybridkv.models.qwen3_next import Qwen3NextModel, load_model
+from hybridkv.models.weights import check_memory_fit, checkpoint_nbytes
+
+LogitsMode = Literal["all", "last", "none"]
+_DTYPES = {torch.float32, torch.bfloat16}
+
+
+def cache_spec(config: ModelConfig, dtype: torch.dtype) -> CacheSpec:
+    return CacheSpec(
+        num_attention_layers=len(config.attention_layers),
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        kv_dtype=dtype,
+        num_linear_layers=len(config.linear_layers),
+        conv_channels=config.conv_channels,
+        conv_kernel=config.linear_conv_kernel_dim,
+        num_value_heads=config.linear_num_value_heads,
+        key_head_dim=config.linear_key_head_dim,
+        value_head_dim=config.linear_value_head_dim,
+    )
+
+
+class CachedModel:
+    """Sequences of tokens whose logits always equal a fresh no-cache recompute.
+
+    `feed` appends tokens (one forward for the whole batch); `fork` and `truncate` restore from
+    snapshots and re-feed whatever the snapshots do not cover themselves. Every call validates
+    its whole input before anything changes.
+    """
+
+    def __init__(
+        self, model: Qwen3NextModel, config: ModelConfig, cache: CacheConfig, dtype: torch.dtype
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.dtype = dtype
+        self.cache = HybridCache(cache_spec(config, dtype), cache)
+        self._tokens: dict[int, list[int]] = {}
+        self._counters: Counter[str] = Counter()
+
+    @classmethod
+    def load(
+        cls,
+        model_dir: str | Path | None = None,
+        dtype: torch.dtype = torch.float32,
+        cache: CacheConfig | None = None,
+    ) -> CachedModel:
+        """Load a checkpoint directory (default: the embedded default model) with a cache.
+
+        The pool sizes and the RAM they need with the weights are checked before loading.
+        """
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
+        if model_dir is None:
+            from hybridkv.default_model import default_model_dir
+
+            model_dir = default_model_dir()
+        cache = cache or CacheConfig()
+        config = ModelConfig.from_dir(model_dir)
+        sizes = PoolSizes.plan(cache_spec(config, dtype), cache)
+        check_memory_fit(checkpoint_nbytes(model_dir, dtype), sizes.total_bytes)
+        return cls(load_model(model_dir, dtype), config, cache, dtype)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    # -- sequences ----------------------------------------------------------------------------
+
+    def new_sequence(self) -> int:
+        seq = self.cache.add_sequence()
+        self._tokens[seq] = []
+        return seq
+
+    def tokens(self, seq: int) -> list[int]:
+        return list(self._known(seq))
+
+    def length(self, seq: int) -> int:
+        return len(self._known(seq))
+
+    def release(self, seq: int) -> None:
+        self._known(seq)
+        self.cache.release(seq)
+        del self._tokens[seq]
+
+    def can_resume(self, seq: int, p: int) -> bool:
+        self._known(seq)
+        return self.cache.can_resume(seq, p)
+
+    def _known(self, seq: int) -> list[int]:
+        try:
+            return self._tokens[seq]
+        except (KeyError, TypeError):
+            raise ValueError(f"unknown sequence {seq!r}") from None
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def feed(
+        self,
+        tokens: Mapping[int, Sequence[int]],
+        logits: LogitsMode = "all",
+        snapshot_at: Mapping[int, Iterable[int]] | None = None,
+    ) -> dict[int, torch.Tensor]:
+        """Append tokens to sequences in one forward; returns float32 CPU logits per sequence fed:
+        `[n, V]` for "all", `[1, V]` for "last", nothing for "none".
+
+        `snapshot_at` asks for extra snapshots after the given absolute positions (on top of the
+        `snapshot_interval` policy). Raises ValueError (bad input) or CacheFull with nothing changed.
+        """
+        if logits not in ("all", "last", "none"):
+            raise ValueError(f'logits must be "all", "last" or "none", got {logits!r}')
+        if not tokens:
+            raise ValueError("feed needs at least one sequence with tokens")
+        batch = {seq: self._validate_ids(seq, ids) for seq, ids in tokens.items()}
+        return self._forward(batch, logits, snapshot_at)
+
+    def _validate_ids(self, seq: int, ids: Sequence[int]) -> list[int]:
+        self._known(seq)
+        try:
+            checked = [operator.index(t) for t in ids]
+        except TypeError:
+            raise ValueError(f"sequence {seq}: token ids must be ints, got {list(ids)[:8]!r}") from None
+        if not checked:
+            raise ValueError(f"sequence {seq}: empty token list")
+        bad = [t for t in checked if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"sequence {seq}: token id {bad[0]} is outside the vocabulary 0..{self.vocab_size - 1}"
+            )
+        return checked
+
+    def _forward(
+        self,
+        batch: dict[int, list[int]],
+        logits: LogitsMode,
+        snapshot_at: Mapping[int, Iterable[int]] | None = None,
+    ) -> dict[int, torch.Tensor]:
+        fb = self.cache.begin_forward({seq: len(ids) for seq, ids in batch.items()}, snapshot_at)
+        input_ids = torch.tensor([t for ids in batch.values() for t in ids], dtype=torch.int64)
+        ends = fb.cu_seqlens[1:]
+        if logits == "all":
+            indices = None
+        elif logits == "last":
+            indices = ends - 1
+        else:
+            indices = torch.empty(0, dtype=torch.int64)
+        try:
+            with torch.inference_mode():
+                out = self.model(input_ids, fb, indices)
+        except BaseException:
+            self.cache.abort_forward(fb)
+            raise
+        self.cache.end_forward(fb)
+        for seq, ids in batch.items():
+            self._tokens[seq].extend(ids)
+        self._counters["tokens_computed"] += len(input_ids)
+        self._counters["forwards"] += 1
+        if logits == "none":
+            return {}
+        if logits == "last":
+            return {seq: out[i : i + 1] for i, seq in enumerate(batch)}
+        starts = fb.cu_seqlens[:-1].tolist()
+        return {seq: out[s : s + len(ids)] for s, (seq, ids) in zip(starts, batch.items())}
+
+    # -- fork / truncate ----------------------------------------------------------------------
+
+    def fork(self, seq: int, length: int | None = None) -> int:
+        """A new sequence with `seq`'s first `length` tokens (default all). O(1) for the whole
+        history; otherwise restores the best snapshot and re-feeds the gap."""
+        history = self._known(seq)
+        target = len(history) if length is None else length
+        child, keep = self.cache.fork(seq, target)
+        self._tokens[child] = history[:keep]
+        self._count_restore(needed=0 < target < len(history), keep=keep)
+        self._refeed(child, history[keep:target])
+        return child
+
+    def truncate(self, seq: int, p: int) -> int:
+        """Keep the first `p` tokens; returns keep, the tokens the restore kept before re-feeding."""
+        history = self._known(seq)
+        needed = 0 < p < len(history)
+        keep = self.cache.truncate(seq, p)
+        self._tokens[seq] = history[:keep]
+        self._count_restore(needed=needed, keep=keep)
+        self._refeed(seq, history[keep:p])
+        return keep
+
+    def _refeed(self, seq: int, ids: list[int]) -> None:
+        if ids:
+            self._counters["tokens_recomputed"] += len(ids)
+            self._forward({seq: ids}, "none")
+
+    def _count_restore(self, needed: bool, keep: int) -> None:
+        if needed:
+            self._counters["snapshot_hits" if keep > 0 else "snapshot_misses"] += 1
+
+    # -- accounting ---------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        out = {
+            name: self._counters[name]
+            for name in (
+                "tokens_computed",
+                "tokens_recomputed",
+                "snapshot_hits",
+                "snapshot_misses",
+                "forwards",
+            )
+        }
+        out["snapshot_evictions"] = self.cache.snapshots.evictions
+        out["sequences"] = len(self._tokens)
+        out.update(self.cache.memory())
+        return out

@@ -1,0 +1,1 @@
+"""Kernels as plain functions over tensors, each beside a slow readable twin in `naive.py`."""
