@@ -43,9 +43,7 @@ class CachedModel:
     its whole input before anything changes.
     """
 
-    def __init__(
-        self, model: Qwen3NextModel, config: ModelConfig, cache: CacheConfig, dtype: torch.dtype
-    ) -> None:
+    def __init__(self, model: Qwen3NextModel, config: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> None:
         self.model = model
         self.config = config
         self.dtype = dtype
@@ -139,9 +137,7 @@ class CachedModel:
             raise ValueError(f"sequence {seq}: empty token list")
         bad = [t for t in checked if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(
-                f"sequence {seq}: token id {bad[0]} is outside the vocabulary 0..{self.vocab_size - 1}"
-            )
+            raise ValueError(f"sequence {seq}: token id {bad[0]} is outside the vocabulary 0..{self.vocab_size - 1}")
         return checked
 
     def _forward(
@@ -175,7 +171,7 @@ class CachedModel:
         if logits == "last":
             return {seq: out[i : i + 1] for i, seq in enumerate(batch)}
         starts = fb.cu_seqlens[:-1].tolist()
-        return {seq: out[s : s + len(ids)] for s, (seq, ids) in zip(starts, batch.items())}
+        return {seq: out[s : s + len(ids)] for s, (seq, ids) in zip(starts, batch.items(), strict=True)}
 
     # -- fork / truncate ----------------------------------------------------------------------
 

@@ -55,9 +55,7 @@ class HybridCache:
 
         def kv() -> list[torch.Tensor]:
             shape = (z.num_blocks, self.config.block_size, s.num_kv_heads, s.head_dim)
-            return [
-                torch.zeros(shape, dtype=s.kv_dtype, device=device) for _ in range(s.num_attention_layers)
-            ]
+            return [torch.zeros(shape, dtype=s.kv_dtype, device=device) for _ in range(s.num_attention_layers)]
 
         def states(rows: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
             conv = [
@@ -65,9 +63,7 @@ class HybridCache:
                 for _ in range(s.num_linear_layers)
             ]
             delta = [
-                torch.zeros(
-                    rows, s.num_value_heads, s.key_head_dim, s.value_head_dim, dtype=f32, device=device
-                )
+                torch.zeros(rows, s.num_value_heads, s.key_head_dim, s.value_head_dim, dtype=f32, device=device)
                 for _ in range(s.num_linear_layers)
             ]
             return conv, delta
@@ -141,9 +137,7 @@ class HybridCache:
             if self.spec.num_linear_layers and (s.slot is None or self.slots.refcount(s.slot) > 1):
                 need_slots += 1
         if need_blocks > self.blocks.num_free:
-            raise CacheFull(
-                f"KV cache full: this batch needs {need_blocks} blocks, {self.blocks.num_free} free"
-            )
+            raise CacheFull(f"KV cache full: this batch needs {need_blocks} blocks, {self.blocks.num_free} free")
         if need_slots > self.slots.num_free:
             raise CacheFull(f"state slots full: this batch needs {need_slots}, {self.slots.num_free} free")
 
@@ -184,7 +178,7 @@ class HybridCache:
             cu_seqlens=torch.tensor([0, *q_lens], dtype=torch.int64).cumsum(0),
             positions=torch.cat(positions),
             block_tables=block_tables,
-            kv_lens=torch.tensor([a + b for a, b in zip(start_lens, q_lens)], dtype=torch.int64),
+            kv_lens=torch.tensor([a + b for a, b in zip(start_lens, q_lens, strict=True)], dtype=torch.int64),
             slot_mapping=torch.cat(slot_mapping),
             state_slots=torch.tensor(
                 [self._seqs[seq].slot if self._seqs[seq].slot is not None else 0 for seq in seq_ids],
@@ -216,7 +210,7 @@ class HybridCache:
         live states unusable (a later `truncate` restores them from snapshots)."""
         pending = self._take_pending(fb)
         self.snapshots.drop_pending(pending.snapshots)
-        for seq, start in zip(fb.seq_ids, fb.start_lens):
+        for seq, start in zip(fb.seq_ids, fb.start_lens, strict=True):
             s = self._seqs[seq]
             self._cut_blocks(s, start)
             s.length = start
@@ -245,7 +239,8 @@ class HybridCache:
         self._check_position(src, length)
         if len(self._seqs) >= self.config.max_sequences:
             raise CacheFull(f"{len(self._seqs)} sequences are live (CacheConfig.max_sequences)")
-        if length == s.length and s.live_valid:
+        share_live = length == s.length and s.live_valid
+        if share_live:
             keep, best = length, None
         else:
             best = s.ring.best(length)
@@ -260,7 +255,7 @@ class HybridCache:
         for pos, snap in s.ring.entries:
             if pos < keep:
                 child.ring.adopt(pos, snap)
-        if keep == length and best is None:
+        if share_live:
             child.slot = s.slot
             if s.slot is not None:
                 self.slots.incref(s.slot)
@@ -322,9 +317,7 @@ class HybridCache:
     def _slot_is_shared(self, s: _Sequence) -> bool:
         return s.slot is None or self.slots.refcount(s.slot) > 1
 
-    def _check_refeed_room(
-        self, s: _Sequence, keep: int, p: int, need_slot: bool, shares_table: bool
-    ) -> None:
+    def _check_refeed_room(self, s: _Sequence, keep: int, p: int, need_slot: bool, shares_table: bool) -> None:
         """Raise CacheFull unless cutting to `keep` and re-feeding up to `p` fits."""
         bs = self.config.block_size
         kept = math.ceil(keep / bs)
@@ -371,7 +364,7 @@ class HybridCache:
     def _load_slot(self, slot: int, snap: int | None) -> None:
         """Fill `slot` with snapshot `snap`, or zeros (the state before any token)."""
         t = self.tensors
-        for live, saved in zip((*t.conv, *t.delta), (*t.snap_conv, *t.snap_delta)):
+        for live, saved in zip((*t.conv, *t.delta), (*t.snap_conv, *t.snap_delta), strict=True):
             if snap is None:
                 live[slot].zero_()
             else:

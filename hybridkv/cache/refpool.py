@@ -58,9 +58,7 @@ class RefPool:
         for ident in range(self.capacity):
             want = expected_refs.get(ident, 0)
             if self._refs[ident] != want:
-                raise IntegrityError(
-                    f"{self.name} {ident}: refcount {self._refs[ident]} but {want} references exist"
-                )
+                raise IntegrityError(f"{self.name} {ident}: refcount {self._refs[ident]} but {want} references exist")
             if (want == 0) != (ident in free):
                 raise IntegrityError(f"{self.name} {ident}: free list disagrees with refcount {want}")
         if len(free) + sum(1 for r in self._refs if r > 0) != self.capacity:

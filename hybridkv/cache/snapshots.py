@@ -7,6 +7,7 @@ recently used complete snapshot (dropping it from every ring) and never raises.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hybridkv.cache.refpool import RefPool
@@ -162,7 +163,7 @@ class SnapshotRing:
         self._drop_where(lambda pos: True)
         self.last_pos = -1
 
-    def _drop_where(self, predicate) -> None:  # type: ignore[no-untyped-def]
+    def _drop_where(self, predicate: Callable[[int], bool]) -> None:
         for i in range(len(self.entries) - 1, -1, -1):
             if predicate(self.entries[i][0]):
                 self._drop_index(i)

@@ -211,3 +211,14 @@ def test_nested_forward_is_refused() -> None:
     with pytest.raises(RuntimeError, match="in progress"):
         cache.begin_forward({s: 1})
     cache.end_forward(fb)
+
+
+def test_fork_of_length_zero_is_an_empty_sequence_with_no_state() -> None:
+    cache = make()
+    s = cache.add_sequence()
+    run(cache, {s: 6})
+    child, keep = cache.fork(s, 0)
+    assert keep == 0 and cache.length(child) == 0
+    assert cache._seqs[child].slot is None and cache._seqs[child].block_table == []
+    assert cache.slots.refcount(0) == 1
+    cache.check_integrity()

@@ -1,0 +1,1 @@
+"""Everything between a request and the model: tokenizing, chat templates, sampling, scheduling."""

@@ -1,0 +1,429 @@
+"""Qwen3-Next: Gated DeltaNet and gated attention layers (3:1 by default), sparse MoE feed-forward.
+
+Cache needs per layer kind: an attention layer writes K/V rows into the paged pools
+(`batch.store_kv`, then attends over `batch.kv_pools`); a linear layer reads and writes one conv
+state [N, C, K-1] and one delta state [N, Hv, dk, dv] per sequence, float32
+(`batch.linear_state`, `batch.store_linear_state`), plus the states after `batch.snapshot_at`.
+
+Weights are rearranged once at load time (`checkpoint_layout`, the one place that knows
+checkpoint names) so the forward pass does a few large matmuls and plain splits:
+
+    linear layer  in_proj  [q | k | v | z | b | a]  (the checkpoint groups qkvz and ba per key head)
+    attention     qkv_proj [q | gate | k | v]        (the checkpoint interleaves q/gate per head)
+    MoE experts   gate_up [E, 2I, D] gate rows first, down [E, D, I]
+    zero-centred norms stored as (1 + w) in float32
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridkv.cache.batch import ForwardBatch
+from hybridkv.models.config import ModelConfig
+from hybridkv.models.weights import COMPUTE_DTYPES, Checkpoint, Layout, Piece, WriteFn, load_weights
+from hybridkv.ops.attention import paged_attention
+from hybridkv.ops.conv import causal_conv1d, causal_conv1d_step
+from hybridkv.ops.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+
+
+def _weight(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    # Uninitialised: every parameter is overwritten by load_weights.
+    return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+
+
+def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x̂ = x / rms(x) over the last dim, in float32."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down)
+
+
+class RMSNorm(nn.Module):
+    """x̂ · weight; weight is float32 (zero-centred checkpoint norms are loaded as 1 + w)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = _weight(dim, dtype=torch.float32)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (_rms(x, self.eps) * self.weight).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear-attention mixer: causal conv + SiLU over q|k|v, then the gated delta rule."""
+
+    def __init__(self, config: ModelConfig, index: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        c = config
+        self.index = index  # j: this layer's number among linear layers
+        self.Hk, self.Hv = c.linear_num_key_heads, c.linear_num_value_heads
+        self.dk, self.dv = c.linear_key_head_dim, c.linear_value_head_dim
+        self.r = c.value_heads_per_key_head
+        self.C = c.conv_channels
+        self.in_proj = _weight(self.C + self.Hv * self.dv + 2 * self.Hv, c.hidden_size, dtype=dtype)
+        self.conv_weight = _weight(self.C, c.linear_conv_kernel_dim, dtype=dtype)
+        self.A_log = _weight(self.Hv, dtype=torch.float32)
+        self.dt_bias = _weight(self.Hv, dtype=torch.float32)
+        self.norm = RMSNorm(self.dv, c.rms_norm_eps)  # plain x̂·w, gated by silu(z)
+        self.out_proj = _weight(c.hidden_size, self.Hv * self.dv, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        T, Hk, Hv, dk, dv = x.shape[0], self.Hk, self.Hv, self.dk, self.dv
+        qkv, z, b, a = F.linear(x, self.in_proj).split([self.C, Hv * dv, Hv, Hv], dim=-1)
+        conv_state, delta_state = batch.linear_state(self.index)
+
+        if batch.is_decode:  # token n is sequence n: its snapshot is its new state
+            y, conv_state = causal_conv1d_step(qkv, self.conv_weight, conv_state)
+            conv_snaps = conv_state.index_select(0, batch.snapshot_at)
+        else:
+            y, conv_state, conv_snaps = causal_conv1d(
+                qkv, self.conv_weight, batch.cu_seqlens, conv_state, state_at=batch.snapshot_at
+            )
+
+        q, k, v = y.split([Hk * dk, Hk * dk, Hv * dv], dim=-1)
+        q = _l2norm(q.reshape(T, Hk, dk)) * dk**-0.5
+        k = _l2norm(k.reshape(T, Hk, dk))
+        if self.r > 1:  # value head h reads key head h // r
+            q, k = q.repeat_interleave(self.r, dim=1), k.repeat_interleave(self.r, dim=1)
+        v = v.reshape(T, Hv, dv)
+        g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
+        beta = b.float().sigmoid()
+
+        if batch.is_decode:
+            o, delta_state = recurrent_gated_delta_rule(q, k, v, g, beta, delta_state)
+            delta_snaps = delta_state.index_select(0, batch.snapshot_at)
+        else:
+            o, delta_state, delta_snaps = chunk_gated_delta_rule(
+                q, k, v, g, beta, batch.cu_seqlens, delta_state, state_at=batch.snapshot_at
+            )
+        batch.store_linear_state(self.index, conv_state, delta_state, conv_snaps, delta_snaps)
+
+        o = self.norm(o) * F.silu(z.reshape(T, Hv, dv).float())
+        return F.linear(o.to(x.dtype).reshape(T, Hv * dv), self.out_proj)
+
+
+class GatedAttention(nn.Module):
+    """Softmax attention with q/k RMSNorm, partial RoPE and a sigmoid output gate, over paged K/V."""
+
+    def __init__(self, config: ModelConfig, index: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        c = config
+        self.index = index  # a: this layer's number among attention layers
+        self.H, self.Hkv, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.scale = self.hd**-0.5
+        self.qkv_proj = _weight((2 * self.H + 2 * self.Hkv) * self.hd, c.hidden_size, dtype=dtype)
+        self.q_norm = RMSNorm(self.hd, c.rms_norm_eps)
+        self.k_norm = RMSNorm(self.hd, c.rms_norm_eps)
+        self.o_proj = _weight(c.hidden_size, self.H * self.hd, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        T, H, Hkv, hd = x.shape[0], self.H, self.Hkv, self.hd
+        q, gate, k, v = F.linear(x, self.qkv_proj).split([H * hd, H * hd, Hkv * hd, Hkv * hd], dim=-1)
+        q = _rope(self.q_norm(q.reshape(T, H, hd)), cos, sin)
+        k = _rope(self.k_norm(k.reshape(T, Hkv, hd)), cos, sin)
+        batch.store_kv(self.index, k, v.reshape(T, Hkv, hd))
+        k_pool, v_pool = batch.kv_pools(self.index)
+        o = paged_attention(q, k_pool, v_pool, batch.block_tables, batch.cu_seqlens, batch.kv_lens, self.scale)
+        return F.linear(o.reshape(T, H * hd) * torch.sigmoid(gate), self.o_proj)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on the first rd dims of x [T, heads, hd]; cos, sin [T, rd]."""
+    rd = cos.shape[-1]
+    rot, rest = x[..., :rd], x[..., rd:]
+    half = rd // 2
+    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+    return torch.cat([rot * cos[:, None] + rotated * sin[:, None], rest], dim=-1)
+
+
+class SparseMoE(nn.Module):
+    """Top-k routed SwiGLU experts plus a sigmoid-gated shared expert."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        c = config
+        E, D, I, Is = c.num_experts, c.hidden_size, c.moe_intermediate_size, c.shared_expert_intermediate_size
+        self.top_k, self.norm_topk_prob = c.num_experts_per_tok, c.norm_topk_prob
+        self.router = _weight(E, D, dtype=dtype)
+        self.gate_up = _weight(E, 2 * I, D, dtype=dtype)
+        self.down = _weight(E, D, I, dtype=dtype)
+        self.shared_gate_up = _weight(2 * Is, D, dtype=dtype)
+        self.shared_down = _weight(D, Is, dtype=dtype)
+        self.shared_gate = _weight(1, D, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = F.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float32)
+        weights, experts = probs.topk(self.top_k, dim=-1)  # [T, k]
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        routed = self._experts(x, experts, weights.to(x.dtype))
+        shared = _swiglu(x, self.shared_gate_up, self.shared_down) * torch.sigmoid(F.linear(x, self.shared_gate))
+        return routed + shared
+
+    def _experts(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        # Sort the T·k (token, expert) pairs by expert: one matmul pair per expert that has tokens.
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)
+        token = order // self.top_k
+        counts = torch.bincount(flat, minlength=self.gate_up.shape[0]).tolist()
+        xs = x.index_select(0, token)
+        ys = torch.empty_like(xs)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                ys[start : start + n] = _swiglu(xs[start : start + n], self.gate_up[e], self.down[e])
+                start += n
+        ys = ys * weights.flatten()[order, None]
+        return torch.zeros_like(x).index_add_(0, token, ys)
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU feed-forward, for layers in mlp_only_layers (or all layers when num_experts is 0)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up = _weight(2 * config.intermediate_size, config.hidden_size, dtype=dtype)
+        self.down = _weight(config.hidden_size, config.intermediate_size, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _swiglu(x, self.gate_up, self.down)
+
+
+class DecoderLayer(nn.Module):
+    """h = x + mixer(norm(x)); out = h + ffn(norm(h))."""
+
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        kind = config.layer_kinds[layer]
+        self.mixer: GatedDeltaNet | GatedAttention
+        if kind == "linear":
+            self.mixer = GatedDeltaNet(config, config.linear_layers.index(layer), dtype)
+        else:
+            self.mixer = GatedAttention(config, config.attention_layers.index(layer), dtype)
+        self.ffn = SparseMoE(config, dtype) if config.moe_layers[layer] else DenseMLP(config, dtype)
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.mixer, GatedDeltaNet):
+            x = x + self.mixer(self.input_norm(x), batch)
+        else:
+            x = x + self.mixer(self.input_norm(x), batch, cos, sin)
+        return x + self.ffn(self.post_norm(x))
+
+
+class Qwen3NextModel(nn.Module):
+    """Qwen3-Next causal LM: a pure function of token ids and a `ForwardBatch`.
+
+    It never allocates cache memory: K/V and recurrent states live in the batch's pools.
+    """
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        if dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"compute dtype {dtype} not supported; use torch.float32 or torch.bfloat16")
+        self.config, self.dtype = config, dtype
+        self.embed = _weight(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = (
+            None if config.tie_word_embeddings else _weight(config.vocab_size, config.hidden_size, dtype=dtype)
+        )
+        rd = config.rotary_dim
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float) / rd))
+        self.inv_freq: torch.Tensor
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @torch.no_grad()
+    def forward(
+        self, input_ids: torch.Tensor, batch: ForwardBatch, logits_indices: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """input_ids [T] (flat, in the batch's token order) → logits [T or len(logits_indices), V] float32."""
+        if input_ids.shape != (batch.num_tokens,):
+            raise ValueError(f"input_ids has shape {list(input_ids.shape)}, the batch has {batch.num_tokens} tokens")
+        x = F.embedding(input_ids, self.embed)
+        freqs = batch.positions[:, None].float() * self.inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, batch, cos, sin)
+        if logits_indices is not None:
+            x = x.index_select(0, logits_indices)
+        lm_head = self.embed if self.lm_head is None else self.lm_head
+        return F.linear(self.norm(x), lm_head).float()
+
+
+# -- checkpoint mapping: the one place that knows Hugging Face names and layouts -----------------
+
+
+def is_ignored(config: ModelConfig, name: str) -> bool:
+    """Checkpoint tensors plain decoding does not use: the multi-token-prediction head, a tied lm_head."""
+    return name.startswith("mtp.") or (config.tie_word_embeddings and name == "lm_head.weight")
+
+
+def _zero_centred(param: torch.Tensor, w: torch.Tensor) -> None:
+    param.copy_(1.0 + w.float())
+
+
+def _rows(start: int, stop: int) -> WriteFn:
+    def write(param: torch.Tensor, t: torch.Tensor) -> None:
+        param[start:stop].copy_(t)
+
+    return write
+
+
+def _expert(e: int, start: int | None = None, stop: int | None = None) -> WriteFn:
+    def write(param: torch.Tensor, t: torch.Tensor) -> None:
+        param[e, start:stop].copy_(t)
+
+    return write
+
+
+def checkpoint_layout(config: ModelConfig, names: set[str]) -> Layout:
+    """Our parameter name → the Hugging Face checkpoint tensors that fill it.
+
+    `names` (the checkpoint's tensor names) picks the expert layout: released per-expert
+    `mlp.experts.{e}.{gate,up,down}_proj.weight` or fused `mlp.experts.gate_up_proj [E, 2I, D]`
+    (gate rows first) / `mlp.experts.down_proj [E, D, I]`.
+    """
+    c = config
+    D, V = c.hidden_size, c.vocab_size
+    layout: Layout = {
+        "embed": [Piece("model.embed_tokens.weight", (V, D))],
+        "norm.weight": [Piece("model.norm.weight", (D,), _zero_centred)],
+    }
+    if not c.tie_word_embeddings:
+        layout["lm_head"] = [Piece("lm_head.weight", (V, D))]
+    for i, kind in enumerate(c.layer_kinds):
+        ours, hf = f"layers.{i}.", f"model.layers.{i}."
+        layout[ours + "input_norm.weight"] = [Piece(hf + "input_layernorm.weight", (D,), _zero_centred)]
+        layout[ours + "post_norm.weight"] = [Piece(hf + "post_attention_layernorm.weight", (D,), _zero_centred)]
+        mixer = _linear_layout(c, hf + "linear_attn.") if kind == "linear" else _attention_layout(c, hf + "self_attn.")
+        ffn = _moe_layout(c, hf + "mlp.", names) if c.moe_layers[i] else _mlp_layout(c, hf + "mlp.")
+        layout.update({ours + "mixer." + k: v for k, v in mixer.items()})
+        layout.update({ours + "ffn." + k: v for k, v in ffn.items()})
+    return layout
+
+
+def _linear_layout(c: ModelConfig, hf: str) -> Layout:
+    D, Hk, Hv, dk, dv, K = (
+        c.hidden_size,
+        c.linear_num_key_heads,
+        c.linear_num_value_heads,
+        c.linear_key_head_dim,
+        c.linear_value_head_dim,
+        c.linear_conv_kernel_dim,
+    )
+    r, C = c.value_heads_per_key_head, c.conv_channels
+
+    def write_qkvz(param: torch.Tensor, t: torch.Tensor) -> None:
+        # Checkpoint rows: per key head [q dk | k dk | v r·dv | z r·dv]; ours: [q | k | v | z] over all heads.
+        q, k, v, z = t.view(Hk, 2 * dk + 2 * r * dv, D).split([dk, dk, r * dv, r * dv], dim=1)
+        for part, start in ((q, 0), (k, Hk * dk), (v, 2 * Hk * dk), (z, C)):
+            param[start : start + part.shape[0] * part.shape[1]].copy_(part.reshape(-1, D))
+
+    def write_ba(param: torch.Tensor, t: torch.Tensor) -> None:
+        # Checkpoint rows: per key head [b r | a r]; ours after z: [b Hv | a Hv].
+        b, a = t.view(Hk, 2 * r, D).split([r, r], dim=1)
+        param[C + Hv * dv : C + Hv * dv + Hv].copy_(b.reshape(Hv, D))
+        param[C + Hv * dv + Hv :].copy_(a.reshape(Hv, D))
+
+    def write_conv(param: torch.Tensor, t: torch.Tensor) -> None:
+        param.copy_(t[:, 0, :])
+
+    return {
+        "in_proj": [
+            Piece(hf + "in_proj_qkvz.weight", (2 * Hk * dk + 2 * Hv * dv, D), write_qkvz),
+            Piece(hf + "in_proj_ba.weight", (2 * Hv, D), write_ba),
+        ],
+        "conv_weight": [Piece(hf + "conv1d.weight", (C, 1, K), write_conv)],
+        "A_log": [Piece(hf + "A_log", (Hv,))],
+        "dt_bias": [Piece(hf + "dt_bias", (Hv,))],
+        "norm.weight": [Piece(hf + "norm.weight", (dv,))],
+        "out_proj": [Piece(hf + "out_proj.weight", (D, Hv * dv))],
+    }
+
+
+def _attention_layout(c: ModelConfig, hf: str) -> Layout:
+    D, H, Hkv, hd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+
+    def write_q(param: torch.Tensor, t: torch.Tensor) -> None:
+        # Checkpoint rows: per head [query hd | gate hd]; ours: [query all heads | gate all heads | k | v].
+        query, gate = t.view(H, 2 * hd, D).split([hd, hd], dim=1)
+        param[: H * hd].copy_(query.reshape(H * hd, D))
+        param[H * hd : 2 * H * hd].copy_(gate.reshape(H * hd, D))
+
+    kv_start = 2 * H * hd
+    return {
+        "qkv_proj": [
+            Piece(hf + "q_proj.weight", (2 * H * hd, D), write_q),
+            Piece(hf + "k_proj.weight", (Hkv * hd, D), _rows(kv_start, kv_start + Hkv * hd)),
+            Piece(hf + "v_proj.weight", (Hkv * hd, D), _rows(kv_start + Hkv * hd, kv_start + 2 * Hkv * hd)),
+        ],
+        "q_norm.weight": [Piece(hf + "q_norm.weight", (hd,), _zero_centred)],
+        "k_norm.weight": [Piece(hf + "k_norm.weight", (hd,), _zero_centred)],
+        "o_proj": [Piece(hf + "o_proj.weight", (D, H * hd))],
+    }
+
+
+def _swiglu_layout(hf: str, I: int, D: int) -> list[Piece]:
+    return [
+        Piece(hf + "gate_proj.weight", (I, D), _rows(0, I)),
+        Piece(hf + "up_proj.weight", (I, D), _rows(I, 2 * I)),
+    ]
+
+
+def _mlp_layout(c: ModelConfig, hf: str) -> Layout:
+    D, I = c.hidden_size, c.intermediate_size
+    return {"gate_up": _swiglu_layout(hf, I, D), "down": [Piece(hf + "down_proj.weight", (D, I))]}
+
+
+def _moe_layout(c: ModelConfig, hf: str, names: set[str]) -> Layout:
+    D, E, I, Is = c.hidden_size, c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
+    experts = hf + "experts."
+    if experts + "gate_up_proj" in names:
+        gate_up = [Piece(experts + "gate_up_proj", (E, 2 * I, D))]
+    else:
+        gate_up = [
+            piece
+            for e in range(E)
+            for piece in (
+                Piece(f"{experts}{e}.gate_proj.weight", (I, D), _expert(e, 0, I)),
+                Piece(f"{experts}{e}.up_proj.weight", (I, D), _expert(e, I, 2 * I)),
+            )
+        ]
+    if experts + "down_proj" in names:
+        down = [Piece(experts + "down_proj", (E, D, I))]
+    else:
+        down = [Piece(f"{experts}{e}.down_proj.weight", (D, I), _expert(e)) for e in range(E)]
+    return {
+        "router": [Piece(hf + "gate.weight", (E, D))],
+        "gate_up": gate_up,
+        "down": down,
+        "shared_gate_up": _swiglu_layout(hf + "shared_expert.", Is, D),
+        "shared_down": [Piece(hf + "shared_expert.down_proj.weight", (D, Is))],
+        "shared_gate": [Piece(hf + "shared_expert_gate.weight", (1, D))],
+    }
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Qwen3NextModel:
+    """Build a `Qwen3NextModel` from a Hugging Face checkpoint directory, weights cast to `dtype`."""
+    config = ModelConfig.from_dir(model_dir)
+    model = Qwen3NextModel(config, dtype)
+    checkpoint = Checkpoint(model_dir)
+    layout = checkpoint_layout(config, checkpoint.names)
+    load_weights(dict(model.named_parameters()), layout, checkpoint, lambda name: is_ignored(config, name))
+    return model.eval()

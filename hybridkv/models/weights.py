@@ -1,0 +1,219 @@
+"""Reading safetensors checkpoints into a model, one tensor at a time, and checking they fit in memory.
+
+This module knows files, not architectures: a model file says which checkpoint tensors make each
+of its parameters (a `Layout` of `Piece`s, built by its one mapping function); `load_weights`
+checks the whole layout against the checkpoint's headers first, then streams the tensors in.
+Files are memory-mapped, so peak memory is the model plus the one tensor being copied.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from hybridkv.errors import NotSupported
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
+MEMORY_HEADROOM = 0.9  # use at most this share of available memory
+
+_FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+_MAX_LISTED = 5
+
+
+class WeightsError(ValueError):
+    """A checkpoint does not match the model: the message names the file, the tensor and the shapes."""
+
+
+class MissingWeightsFile(WeightsError, FileNotFoundError):
+    """A checkpoint file (or the whole checkpoint) is absent."""
+
+
+class InsufficientMemory(MemoryError):
+    """Weights plus cache would not fit in available memory; the message gives the numbers."""
+
+
+WriteFn = Callable[[torch.Tensor, torch.Tensor], None]
+"""(param, checkpoint tensor) -> None: writes the tensor into (part of) our parameter."""
+
+
+def copy_into(param: torch.Tensor, tensor: torch.Tensor) -> None:
+    param.copy_(tensor)
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One checkpoint tensor: its name, its expected shape, and how it is written into a parameter.
+
+    `write(param, tensor)` receives the tensor in its checkpoint dtype; `param.copy_` casts.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    write: WriteFn = copy_into
+
+
+Layout = dict[str, list[Piece]]
+"""Our parameter name -> the checkpoint pieces that fill it (together, all of it)."""
+
+
+class Checkpoint:
+    """The safetensors tensors of a model directory: names, shapes and lazy reads.
+
+    Either `model.safetensors` or a sharded `model.safetensors.index.json` with its shard files.
+    """
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = Path(model_dir)
+        self._weight_map: dict[str, str] = {}
+        index = self.model_dir / INDEX_FILE
+        single = self.model_dir / SINGLE_FILE
+        if index.is_file():
+            self.description = str(index)
+            files = self._shards(index)
+        elif single.is_file():
+            self.description = str(single)
+            files = [single]
+        else:
+            raise MissingWeightsFile(f"{self.model_dir}: no weights found (looked for {SINGLE_FILE} and {INDEX_FILE})")
+        self._handles = {path: safe_open(str(path), framework="pt") for path in files}
+        self.file_of: dict[str, Path] = {}
+        for path, handle in self._handles.items():
+            self.file_of.update(dict.fromkeys(handle.keys(), path))
+        if index.is_file():
+            self._check_index(index)
+
+    def _shards(self, index: Path) -> list[Path]:
+        try:
+            self._weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise WeightsError(f"{index}: not a safetensors index (needs a 'weight_map' object): {e}") from e
+        files = [self.model_dir / f for f in sorted(set(self._weight_map.values()))]
+        for path in files:
+            if not path.is_file():
+                needed = [n for n, f in self._weight_map.items() if self.model_dir / f == path]
+                raise MissingWeightsFile(
+                    f"{path}: shard file missing; {index.name} lists {len(needed)} tensors in it, "
+                    f"e.g. {needed[:_MAX_LISTED]}"
+                )
+        return files
+
+    def _check_index(self, index: Path) -> None:
+        for name, file in self._weight_map.items():
+            if self.file_of.get(name) != self.model_dir / file:
+                raise WeightsError(f"{self.model_dir / file}: tensor {name!r} listed in {index.name} is not in it")
+
+    @property
+    def names(self) -> set[str]:
+        return set(self.file_of)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handles[self.file_of[name]].get_slice(name).get_shape())
+
+    def dtype_name(self, name: str) -> str:
+        return self._handles[self.file_of[name]].get_slice(name).get_dtype()
+
+    def read(self, name: str) -> torch.Tensor:
+        return self._handles[self.file_of[name]].get_tensor(name)
+
+
+def load_weights(
+    params: dict[str, torch.Tensor],
+    layout: Layout,
+    checkpoint: Checkpoint,
+    ignore: Callable[[str], bool] = lambda name: False,
+) -> None:
+    """Fill `params` (our name -> tensor) from `checkpoint` following `layout`.
+
+    Everything is checked before any data is read: every tensor the layout needs exists with the
+    expected shape and a float dtype, and the checkpoint holds nothing else except `ignore`d names
+    (extra tensors mean a different architecture).
+    """
+    if set(params) != set(layout):
+        raise AssertionError(f"layout does not cover the model: {sorted(set(params) ^ set(layout))[:10]}")
+    where = checkpoint.description
+    pieces = [piece for name in layout for piece in layout[name]]
+    missing = [p.name for p in pieces if p.name not in checkpoint.file_of]
+    if missing:
+        raise WeightsError(
+            f"{where}: {len(missing)} tensor(s) missing, e.g. {missing[:_MAX_LISTED]}; "
+            "is this checkpoint the architecture its config.json says?"
+        )
+    for piece in pieces:
+        actual = checkpoint.shape(piece.name)
+        if actual != piece.shape:
+            raise WeightsError(
+                f"{checkpoint.file_of[piece.name]}: tensor {piece.name!r} has shape {list(actual)}, "
+                f"expected {list(piece.shape)} from config.json"
+            )
+        dtype = checkpoint.dtype_name(piece.name)
+        if dtype not in _FLOAT_DTYPES:
+            raise NotSupported(
+                f"{checkpoint.file_of[piece.name]}: tensor {piece.name!r} is {dtype}; only F32, BF16 and F16 "
+                "checkpoints are supported"
+            )
+    used = {p.name for p in pieces}
+    unexpected = sorted(n for n in checkpoint.names - used if not ignore(n))
+    if unexpected:
+        raise WeightsError(
+            f"{where}: {len(unexpected)} unexpected tensor(s), e.g. {unexpected[:_MAX_LISTED]}; "
+            "the checkpoint does not match the architecture in config.json"
+        )
+    with torch.no_grad():
+        for name, param_pieces in layout.items():
+            for piece in param_pieces:
+                piece.write(params[name], checkpoint.read(piece.name))
+
+
+def checkpoint_nbytes(model_dir: str | Path, dtype: torch.dtype, ignore: Iterable[str] = ("mtp.",)) -> int:
+    """Bytes the checkpoint's tensors occupy once cast to `dtype` (names starting with `ignore` skipped)."""
+    checkpoint = Checkpoint(model_dir)
+    prefixes = tuple(ignore)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for name in checkpoint.names:
+        if not name.startswith(prefixes):
+            numel = 1
+            for size in checkpoint.shape(name):
+                numel *= size
+            total += numel * itemsize
+    return total
+
+
+def available_memory() -> int:
+    """Bytes of memory available to a new allocation: MemAvailable, else free physical pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_memory_fit(weight_bytes: int, cache_bytes: int, available: int | None = None) -> None:
+    """Raise `InsufficientMemory` when weights + cache exceed 90% of available memory."""
+    available = available_memory() if available is None else available
+    needed = weight_bytes + cache_bytes
+    limit = int(MEMORY_HEADROOM * available)
+    if needed > limit:
+        raise InsufficientMemory(
+            f"weights {format_bytes(weight_bytes)} + cache {format_bytes(cache_bytes)} = "
+            f"{format_bytes(needed)}, more than {MEMORY_HEADROOM:.0%} of available memory "
+            f"({format_bytes(limit)} of {format_bytes(available)}); use a smaller cache budget, "
+            "bfloat16 weights, or a machine with more memory"
+        )
+
+
+def format_bytes(n: int) -> str:
+    if n >= 1 << 30:
+        return f"{n / (1 << 30):.2f} GiB"
+    return f"{n / (1 << 20):.1f} MiB"
