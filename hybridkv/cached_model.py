@@ -186,6 +186,20 @@ class CachedModel:
         self._refeed(child, history[keep:target])
         return child
 
+    def fork_prefix(self, seq: int, length: int) -> tuple[int, int]:
+        """Like `fork`, without the re-feed: returns (child, keep) with the child holding only
+        `keep` tokens; the caller feeds the rest (the engine does, inside its batches)."""
+        history = self._known(seq)
+        child, keep = self.cache.fork(seq, length)
+        self._tokens[child] = history[:keep]
+        self._count_restore(needed=0 < length < len(history), keep=keep)
+        return child, keep
+
+    def restore_point(self, seq: int, p: int) -> int:
+        """How many of `seq`'s first `p` tokens a fork or truncate would keep without recompute."""
+        self._known(seq)
+        return self.cache.restore_point(seq, p)
+
     def truncate(self, seq: int, p: int) -> int:
         """Keep the first `p` tokens; returns keep, the tokens the restore kept before re-feeding."""
         history = self._known(seq)

@@ -306,11 +306,15 @@ class HybridCache:
 
     def can_resume(self, seq: int, p: int) -> bool:
         """True iff `truncate(seq, p)` would recompute nothing."""
+        return self.restore_point(seq, p) == p
+
+    def restore_point(self, seq: int, p: int) -> int:
+        """The `keep` that `truncate(seq, p)` or `fork(seq, p)` would report; changes nothing."""
         s = self._check_position(seq, p)
         if p == 0 or (p == s.length and s.live_valid):
-            return True
+            return p
         best = s.ring.best(p)
-        return best is not None and best[0] == p - 1
+        return best[0] + 1 if best else 0
 
     # -- helpers ------------------------------------------------------------------------------
 

@@ -247,11 +247,14 @@ class Qwen3NextModel(nn.Module):
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    @torch.no_grad()
     def forward(
         self, input_ids: torch.Tensor, batch: ForwardBatch, logits_indices: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """input_ids [T] (flat, in the batch's token order) → logits [T or len(logits_indices), V] float32."""
+        """input_ids [T] (flat, in the batch's token order) → logits [T or len(logits_indices), V] float32.
+
+        Loaded parameters do not require grad, so no graph is built; scripts/train_default_model.py
+        makes them trainable and runs this same forward with gradients.
+        """
         if input_ids.shape != (batch.num_tokens,):
             raise ValueError(f"input_ids has shape {list(input_ids.shape)}, the batch has {batch.num_tokens} tokens")
         x = F.embedding(input_ids, self.embed)

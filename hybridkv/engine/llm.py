@@ -1,0 +1,178 @@
+"""`LLM`: a model directory in, text out — tokenizer, chat template, engine and cache together."""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridkv.cache.config import CacheConfig
+from hybridkv.cached_model import CachedModel
+from hybridkv.engine.chat_template import ChatTemplate
+from hybridkv.engine.engine import Engine, EngineConfig
+from hybridkv.engine.request import Request, RequestOutput, StreamEvent
+from hybridkv.engine.sampling import SamplingParams
+from hybridkv.engine.tokenizer import Tokenizer
+
+Prompt = str | Sequence[int]
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_REMEMBERED = 256  # generated texts whose token ids are kept for re-encoding later chat turns
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def default_cache_config(engine: EngineConfig, max_model_len: int = 4096) -> CacheConfig:
+    """Room for the running sequences plus as many again kept for prefix reuse."""
+    return CacheConfig(
+        max_sequences=2 * engine.max_num_seqs + 1, max_model_len=max_model_len, snapshots_per_sequence=16
+    )
+
+
+class LLM:
+    """`LLM(model_dir).generate(prompts, params)` and `.chat(messages, params)`.
+
+    With no directory, the default model. Requests run through the continuous-batching engine;
+    a chat whose next turn extends the last one re-processes only the new tokens.
+    """
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        dtype: str | torch.dtype = "float32",
+        cache: CacheConfig | None = None,
+        engine: EngineConfig | None = None,
+    ) -> None:
+        if model is None:
+            from hybridkv.default_model import default_model_dir
+
+            model = default_model_dir()
+        self.model_dir = Path(model)
+        engine = engine or EngineConfig()
+        self.cm = CachedModel.load(self.model_dir, parse_dtype(dtype), cache or default_cache_config(engine))
+        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.template = ChatTemplate.from_dir(self.model_dir)
+        self.generation_config = _read_json(self.model_dir / "generation_config.json")
+        self.engine = Engine(self.cm, self.tokenizer, engine, self.generation_config)
+        self._generated: OrderedDict[str, list[int]] = OrderedDict()
+
+    # -- prompts ------------------------------------------------------------------------------
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> tuple[list[int], list[int]]:
+        """Token ids of the rendered conversation and the positions where its messages end.
+
+        Each message is tokenized on its own, so a conversation that extends another encodes
+        to an extension of its ids; an assistant message this LLM generated is encoded to the
+        very ids it generated (re-tokenizing text can differ), keeping the cache hit exact.
+        """
+        if self.template is None:
+            raise ValueError(f"{self.model_dir} has no chat template (tokenizer_config.json chat_template)")
+        text = self.template.render(messages, add_generation_prompt, tools, **template_kwargs)
+        ends = self.template.message_boundaries(messages, add_generation_prompt, tools, **template_kwargs)
+        contents = [m.get("content") for m in messages if m.get("role") == "assistant"]
+        ids: list[int] = []
+        hints: list[int] = []
+        start = 0
+        for end in [*ends, len(text)]:
+            if end > start:
+                ids += self._encode_segment(text[start:end], contents)
+                hints.append(len(ids) - 1)
+            start = end
+        return ids, hints
+
+    def _encode_segment(self, segment: str, contents: list[Any]) -> list[int]:
+        for content in contents:
+            if isinstance(content, str) and content and content in self._generated and content in segment:
+                before, _, after = segment.partition(content)
+                return self.tokenizer.encode(before) + self._generated[content] + self.tokenizer.encode(after)
+        return self.tokenizer.encode(segment)
+
+    def _remember(self, output: RequestOutput) -> None:
+        for completion in output.outputs:
+            ids = list(completion.token_ids)
+            if completion.finish_reason == "stop" and isinstance(completion.stop_reason, int):
+                ids = ids[:-1]  # the stop token's text is not part of the answer
+            elif completion.finish_reason != "length":
+                continue  # cut at a stop string: its text and ids no longer line up
+            if completion.text:
+                self._generated[completion.text] = ids
+                self._generated.move_to_end(completion.text)
+        while len(self._generated) > _REMEMBERED:
+            self._generated.popitem(last=False)
+
+    # -- generation ---------------------------------------------------------------------------
+
+    def submit(
+        self, prompt_ids: list[int], params: SamplingParams | None = None, cache_hint: Sequence[int] = ()
+    ) -> Request:
+        return self.engine.add_request(self.engine.make_request(prompt_ids, params, tuple(cache_hint)))
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Complete each prompt (text or token ids); all run together in the engine's batches."""
+        single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
+        batch: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item,arg-type]
+        requests = [self.engine.make_request(self.encode(p), params) for p in batch]
+        return self._run(requests)
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        params: SamplingParams | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> RequestOutput:
+        ids, hints = self.encode_chat(messages, tools, **template_kwargs)
+        request = self.engine.make_request(ids, params, tuple(hints))
+        return self._run([request])[0]
+
+    def stream(
+        self, prompt_ids: list[int], params: SamplingParams | None = None, cache_hint: Sequence[int] = ()
+    ) -> Iterator[StreamEvent]:
+        """Events of one request as they happen (drives the engine in this thread)."""
+        request = self.engine.add_request(self.engine.make_request(prompt_ids, params, tuple(cache_hint)))
+        while True:
+            while not request.events.empty():
+                event = request.events.get()
+                yield event
+                if event.done:
+                    self._remember(request.output())
+                    return
+            self.engine.step()
+
+    def _run(self, requests: list[Request]) -> list[RequestOutput]:
+        for request in requests:
+            self.engine.add_request(request)
+        self.engine.run_until_done()
+        outputs = [r.output() for r in requests]
+        for output in outputs:
+            self._remember(output)
+        return outputs
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    with open(path) as f:
+        data = json.load(f)
+    return data if isinstance(data, dict) else {}
