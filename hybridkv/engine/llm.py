@@ -108,7 +108,7 @@ class LLM:
                 return self.tokenizer.encode(before) + self._generated[content] + self.tokenizer.encode(after)
         return self.tokenizer.encode(segment)
 
-    def _remember(self, output: RequestOutput) -> None:
+    def remember(self, output: RequestOutput) -> None:
         for completion in output.outputs:
             ids = list(completion.token_ids)
             if completion.finish_reason == "stop" and isinstance(completion.stop_reason, int):
@@ -156,7 +156,7 @@ class LLM:
                 event = request.events.get()
                 yield event
                 if event.done:
-                    self._remember(request.output())
+                    self.remember(request.output())
                     return
             self.engine.step()
 
@@ -166,7 +166,7 @@ class LLM:
         self.engine.run_until_done()
         outputs = [r.output() for r in requests]
         for output in outputs:
-            self._remember(output)
+            self.remember(output)
         return outputs
 
 
