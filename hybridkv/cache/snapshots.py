@@ -1,8 +1,8 @@
 """Snapshots of the recurrent state: a shared budgeted pool, and one small ring per sequence.
 
 A snapshot at position p is every linear layer's conv and delta state *after* token p. Rings hold
-references into the pool; a snapshot is freed when no ring holds it. A full pool evicts its least
-recently used complete snapshot (dropping it from every ring) and never raises.
+references into the pool; a snapshot is freed when no ring holds it. A full pool evicts the complete
+snapshot that saves the least recomputation (dropping it from every ring) and never raises.
 """
 
 from __future__ import annotations
@@ -49,14 +49,24 @@ class SnapshotPool:
         return snap
 
     def _evict_one(self) -> bool:
-        victims = [(e.last_used, s) for s, e in self._entries.items() if e.complete]
+        """Evict the complete snapshot that saves the least compute per byte (all snapshots have
+        the same size, so: the fewest tokens over the next restore point below it in any ring
+        holding it), the least recently used among equals."""
+        victims = [(self._tokens_saved(s, e), e.last_used, s) for s, e in self._entries.items() if e.complete]
         if not victims:
             return False
-        _, snap = min(victims)
+        *_, snap = min(victims)
         for ring in list(self._entries[snap].holders):
             ring._forget(snap)
         self.evictions += 1
         return True
+
+    def _tokens_saved(self, snap: int, entry: _Entry) -> int:
+        saved = 0
+        for ring in entry.holders:
+            below = [pos for pos, other in ring.entries if pos < entry.position and self._entries[other].complete]
+            saved = max(saved, entry.position - max(below, default=-1))
+        return saved
 
     def hold(self, snap: int, ring: SnapshotRing) -> None:
         self.ids.incref(snap)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,10 +167,37 @@ def load_weights(
             f"{where}: {len(unexpected)} unexpected tensor(s), e.g. {unexpected[:_MAX_LISTED]}; "
             "the checkpoint does not match the architecture in config.json"
         )
+    progress = LoadProgress(sum(params[name].nbytes for name in layout), where)
     with torch.no_grad():
         for name, param_pieces in layout.items():
             for piece in param_pieces:
                 piece.write(params[name], checkpoint.read(piece.name))
+            progress.advance(params[name].nbytes)
+    progress.close()
+
+
+class LoadProgress:
+    """A one-line progress bar on stderr while loading large weights (only on a terminal)."""
+
+    MIN_BYTES = 256 << 20
+
+    def __init__(self, total: int, description: str) -> None:
+        self.total, self.done, self.description = total, 0, description
+        self.enabled = total >= self.MIN_BYTES and sys.stderr.isatty()
+        self._shown = -1
+
+    def advance(self, nbytes: int) -> None:
+        self.done += nbytes
+        percent = 100 * self.done // max(self.total, 1)
+        if self.enabled and percent != self._shown:
+            self._shown = percent
+            bar = "#" * (percent // 4)
+            sys.stderr.write(f"\rloading {self.description} [{bar:<25}] {percent:3d}% of {format_bytes(self.total)}")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
 
 
 def checkpoint_nbytes(model_dir: str | Path, dtype: torch.dtype, ignore: Iterable[str] = ("mtp.",)) -> int:

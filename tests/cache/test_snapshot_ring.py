@@ -76,20 +76,34 @@ def test_reset_frees_every_entry() -> None:
     ring.pool.check_integrity([ring])
 
 
-def test_full_pool_evicts_least_recently_used_and_never_raises() -> None:
+def record(ring: SnapshotRing, pos: int) -> None:
+    snap = ring.record(pos)
+    assert snap is not None
+    ring.pool.mark_complete([snap])
+
+
+def test_full_pool_evicts_the_snapshot_saving_least_recompute() -> None:
+    pool = SnapshotPool(3)
+    a, b = SnapshotRing(pool, 4), SnapshotRing(pool, 4)
+    record(a, 100)
+    record(a, 102)  # saves only 2 tokens over a's snapshot at 100
+    record(b, 50)  # saves 51 tokens over a fresh start
+    record(b, 60)  # pool full: evicts a@102
+    assert [p for p, _ in a.entries] == [100]
+    assert [p for p, _ in b.entries] == [50, 60]
+    assert pool.evictions == 1
+    pool.check_integrity([a, b])
+
+
+def test_among_equal_savings_the_least_recently_used_goes() -> None:
     pool = SnapshotPool(2)
     a, b = SnapshotRing(pool, 4), SnapshotRing(pool, 4)
-    for ring, pos in ((a, 10), (b, 20)):
-        snap = ring.record(pos)
-        assert snap is not None
-        pool.mark_complete([snap])
+    record(a, 10)
+    record(b, 10)
     a.best(11)  # touch a's snapshot: b's is now the least recently used
-    snap = a.record(30)
-    assert snap is not None
-    pool.mark_complete([snap])
-    assert [p for p, _ in a.entries] == [10, 30]
+    record(a, 21)
+    assert [p for p, _ in a.entries] == [10, 21]
     assert b.entries == []
-    assert pool.evictions == 1
     pool.check_integrity([a, b])
 
 

@@ -198,3 +198,30 @@ def test_cancel_releases_the_sequence_at_once(chat_model: tuple[Path, Any]) -> N
     assert request.finished and request.output().outputs[0].finish_reason == "cancelled"
     assert llm.cm.stats()["sequences"] == 0
     llm.cm.cache.check_integrity()
+
+
+def test_reuse_stops_where_retokenized_text_differs_unless_generated_ids_are_kept(
+    chat_model: tuple[Path, Any],
+) -> None:
+    llm = make_llm(chat_model)
+    messages = [user(0)]
+    prompt, _ = llm.encode_chat(messages)
+    out = llm.chat(messages, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    generated = out.outputs[0].token_ids
+    # The random model emits bytes that are not valid UTF-8: its text holds U+FFFD, which
+    # re-encodes to other ids. This is where the two first differ:
+    retokenized = llm.tokenizer.encode(out.text)
+    differs = next(i for i, (a, b) in enumerate(zip(generated, retokenized, strict=False)) if a != b)
+    follow = [*messages, {"role": "assistant", "content": out.text}, user(1)]
+
+    llm._generated.clear()  # as a client that sends back only the text
+    ids, _ = llm.encode_chat(follow)
+    assert ids[: len(prompt) + differs] == prompt + generated[:differs]
+    assert ids[len(prompt) + differs] != generated[differs]
+    # reuse falls back to the last restore point before the difference: the end of the prompt
+    assert llm.chat(follow, GREEDY).usage.cached_tokens == len(prompt)
+
+    llm.remember(out)  # what the engine does for its own answers: the text maps back to its ids
+    ids, _ = llm.encode_chat(follow)
+    assert ids[: len(prompt) + len(generated)] == prompt + generated
+    assert llm.chat(follow, GREEDY).usage.cached_tokens == len(prompt) + len(generated) - 1
