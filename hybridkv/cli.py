@@ -23,7 +23,7 @@ import torch
 from hybridkv.errors import NotSupported
 
 if TYPE_CHECKING:
-    from hybridkv import CachedModel
+    from hybridkv.engine.llm import LLM
     from hybridkv.engine.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -59,84 +59,163 @@ def _parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("prompt", nargs="?", metavar="PROMPT", help="text to continue (or use --prompt-ids)")
     gen.add_argument("--prompt-ids", metavar="IDS", help='token ids instead of text, e.g. "1,2,3"')
-    gen.add_argument("--model", metavar="DIR", help="checkpoint directory (default: a tiny random Qwen3-Next)")
     gen.add_argument("--max-tokens", type=int, default=64, metavar="N", help="tokens to generate at most (default 64)")
     gen.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
     gen.add_argument("--seed", type=int, metavar="S", help="sampling seed (default: random)")
-    gen.add_argument(
-        "--dtype",
-        choices=sorted(DTYPES),
-        default="float32",
-        help="weight and compute dtype (default float32)",
-    )
-    gen.add_argument("--threads", type=int, metavar="N", help="torch CPU threads")
-    gen.add_argument(
-        "--max-model-len",
-        type=int,
-        default=4096,
-        metavar="N",
-        help="context length: prompt + generated tokens (default 4096)",
-    )
+    add_engine_flags(gen, max_num_seqs=1)
     gen.set_defaults(run=_generate)
+
+    run = commands.add_parser(
+        "run",
+        help="chat with a model",
+        description="Chat with a model: with PROMPT, stream one answer; without, an interactive chat "
+        "(/reset, /regenerate, /stats, /quit; Ctrl-C stops a reply). Per turn, stderr shows how many "
+        "prompt tokens came from the cache and how many were computed.",
+    )
+    run.add_argument("prompt", nargs="?", metavar="PROMPT", help="one message to answer, then exit")
+    run.add_argument("--max-tokens", type=int, default=512, metavar="N", help="tokens per answer at most (default 512)")
+    run.add_argument("--temperature", type=float, metavar="T", help="0 = greedy (default: the model's own)")
+    run.add_argument("--seed", type=int, metavar="S", help="sampling seed")
+    run.add_argument("--system", metavar="TEXT", help="a system message opening the conversation")
+    add_engine_flags(run)
+    run.set_defaults(run=_run_chat)
+
+    from hybridkv import bench  # light: it imports its heavy parts (transformers, rich) when run
+
+    bench.add_parser(commands)
+    from hybridkv.server import cli as server_cli  # light: uvicorn and the model load when it runs
+
+    server_cli.add_parser(commands)
     return parser
+
+
+def add_engine_flags(parser: argparse.ArgumentParser, max_num_seqs: int = 8) -> None:
+    """The flags every engine-backed command shares (run, serve)."""
+    parser.add_argument("--model", metavar="DIR", help="checkpoint directory (default: the shipped tiny Qwen3-Next)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="compute dtype (default float32)")
+    parser.add_argument("--threads", type=int, metavar="N", help="torch CPU threads")
+    parser.add_argument("--max-model-len", type=int, default=4096, metavar="N", help="context length (default 4096)")
+    parser.add_argument(
+        "--cache-memory",
+        metavar="SIZE",
+        help="cache budget, e.g. 2GiB or 512MiB: 70%% KV blocks, 30%% snapshots (default: sized for --max-num-seqs "
+        "sequences of --max-model-len tokens)",
+    )
+    parser.add_argument(
+        "--snapshot-interval", type=int, default=256, metavar="N", help="snapshot every N tokens (default 256)"
+    )
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=max_num_seqs,
+        metavar="N",
+        help=f"sequences decoding at once ({max_num_seqs})",
+    )
+
+
+_SIZE_UNITS = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "2GiB", "512MiB", "1.5GB" or a plain number."""
+    number, scale = text.strip().upper(), 1
+    for unit, factor in _SIZE_UNITS.items():  # longer suffixes first: "GIB" before "B"
+        if number.endswith(unit):
+            number, scale = number[: -len(unit)], factor
+            break
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise UsageError(f"--cache-memory {text!r}: give bytes or a size like 512MiB or 2GiB")
+    return int(value * scale)
+
+
+def llm_from_args(args: argparse.Namespace) -> LLM:
+    """Build the LLM that `run` and `serve` drive, from the shared flags."""
+    from hybridkv import CacheConfig
+    from hybridkv.engine.engine import EngineConfig
+    from hybridkv.engine.llm import LLM  # noqa: F811 (imported lazily: loading torch models is slow)
+
+    for flag in ("max_model_len", "max_num_seqs", "threads"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.snapshot_interval < 0:
+        raise UsageError("--snapshot-interval must be >= 0 (0 turns interval snapshots off)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.model and not Path(args.model).is_dir():
+        raise UsageError(f"--model {args.model}: no such directory")
+    engine = EngineConfig(
+        max_num_seqs=args.max_num_seqs, **({"max_queue": args.max_queue} if "max_queue" in args else {})
+    )
+    budget = parse_size(args.cache_memory) if args.cache_memory else None
+    cache = CacheConfig(
+        max_sequences=2 * args.max_num_seqs + 1,
+        max_model_len=args.max_model_len,
+        snapshot_interval=args.snapshot_interval,
+        snapshots_per_sequence=16,
+        kv_bytes=None if budget is None else budget * 7 // 10,
+        snapshot_bytes=None if budget is None else budget * 3 // 10,
+    )
+    try:
+        return LLM(args.model, dtype=args.dtype, cache=cache, engine=engine)
+    except (ValueError, MemoryError) as e:
+        raise UsageError(str(e)) from None
+
+
+def _run_chat(args: argparse.Namespace) -> int:
+    from hybridkv.chat import run_chat
+
+    return run_chat(args, llm_from_args(args))
 
 
 def _generate(args: argparse.Namespace) -> int:
     from hybridkv.default_model import default_model_dir
-    from hybridkv.engine.tokenizer import IncrementalDecoder, Tokenizer
+    from hybridkv.engine.sampling import SamplingParams
+    from hybridkv.engine.tokenizer import Tokenizer
 
     if args.max_tokens < 1:
         raise UsageError("--max-tokens must be >= 1")
     if args.temperature < 0:
         raise UsageError("--temperature must be >= 0")
-    if args.max_model_len < 1:
-        raise UsageError("--max-model-len must be >= 1")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise UsageError("--threads must be >= 1")
-        torch.set_num_threads(args.threads)
     model_dir = Path(args.model) if args.model else default_model_dir()
     if not model_dir.is_dir():
         raise UsageError(f"--model {model_dir}: no such directory")
-    tokenizer = Tokenizer.from_dir(model_dir)
+    tokenizer = Tokenizer.from_dir(model_dir)  # checks the prompt before the (slow) model load
     prompt = _prompt_ids(args, tokenizer, _model_vocab_size(model_dir, tokenizer))
     if len(prompt) >= args.max_model_len:
         limit = args.max_model_len
         raise UsageError(f"the prompt has {len(prompt)} tokens: no room left in the context (--max-model-len {limit})")
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
     started = time.perf_counter()
-    model = _load_model(model_dir, DTYPES[args.dtype], args.max_model_len)
-    _log(f"loaded {model_dir} ({args.dtype}) in {time.perf_counter() - started:.1f}s")
-
-    generator = torch.Generator()
-    if args.seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(args.seed)
-    decoder = IncrementalDecoder(tokenizer, context=prompt)
-    seq = model.new_sequence()
-    started, generated, stop = time.perf_counter(), 0, "an end-of-sequence token"
-    try:
-        logits = model.feed({seq: prompt}, logits="last")[seq]
-        while True:
-            token = _sample(logits[-1], args.temperature, generator)
-            if token in tokenizer.eos_token_ids:
-                break
-            generated += 1
-            _write(decoder.push(token))
-            if generated == args.max_tokens:
-                stop = "--max-tokens"
-                break
-            if len(prompt) + generated == args.max_model_len:
-                stop = "a full context (--max-model-len)"
-                break
-            logits = model.feed({seq: [token]}, logits="last")[seq]
-        _write(decoder.flush())
-    finally:
-        model.release(seq)
+    llm = _load_llm(args)
+    _log(f"loaded {llm.model_dir} ({args.dtype}) in {time.perf_counter() - started:.1f}s")
+    started = time.perf_counter()
+    generated, finish = 0, None
+    for event in llm.stream(prompt, params):
+        _write(event.text)
+        generated += len(event.token_ids)
+        finish = event.finish_reason or finish
     elapsed = time.perf_counter() - started
-    _log(f"\n{len(prompt)} prompt tokens, {generated} generated in {elapsed:.2f}s; stopped at {stop}")
+    if finish == "stop":
+        why = "an end-of-sequence token"
+    elif len(prompt) + generated >= args.max_model_len:
+        why = "a full context (--max-model-len)"
+    else:
+        why = "--max-tokens"
+    _log(f"\n{len(prompt)} prompt tokens, {generated} generated in {elapsed:.2f}s; stopped at {why}")
     return 0
+
+
+def _load_llm(args: argparse.Namespace) -> LLM:
+    return llm_from_args(args)
 
 
 def _prompt_ids(args: argparse.Namespace, tokenizer: Tokenizer, vocab_size: int) -> list[int]:
@@ -163,22 +242,6 @@ def _model_vocab_size(model_dir: Path, tokenizer: Tokenizer) -> int:
     config = json.loads(path.read_text()) if path.is_file() else {}
     vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
     return int(vocab) if vocab else tokenizer.vocab_size
-
-
-def _load_model(model_dir: Path, dtype: torch.dtype, max_model_len: int) -> CachedModel:
-    from hybridkv import CacheConfig, CachedModel
-
-    # One sequence: size the cache for it alone, not for a server's worth.
-    cache = CacheConfig(max_model_len=max_model_len, max_sequences=1)
-    return CachedModel.load(model_dir, dtype=dtype, cache=cache)
-
-
-def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
-    """Greedy at temperature 0, else a draw from softmax(logits / temperature). logits: [V]."""
-    if temperature == 0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def _write(text: str) -> None:

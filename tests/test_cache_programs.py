@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hf_reference import build_hf_model, max_rel_err, reference_logits, save_checkpoint
+from hf_reference import hf_logits, make_hf_model, max_rel_err, save_checkpoint
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -17,12 +17,12 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from hybridkv import CacheConfig, CachedModel, CacheFull
 
 MAX_LEN = 48
-VOCAB = 97
+VOCAB = 128
 
 
 @functools.cache
 def reference() -> tuple[Any, Path]:
-    model = build_hf_model(seed=11, full_attention_interval=2)
+    model = make_hf_model(seed=11, full_attention_interval=2)
     path = Path(tempfile.mkdtemp(prefix="hybridkv-programs-"))
     return model, save_checkpoint(model, path)
 
@@ -42,7 +42,7 @@ class CachePrograms(RuleBasedStateMachine):
         self.expected: dict[int, list[int]] = {}
 
     def check(self, seq: int, rows: torch.Tensor) -> None:
-        want = reference_logits(self.hf, self.expected[seq])[-len(rows) :]
+        want = hf_logits(self.hf, self.expected[seq])[-len(rows) :]
         assert max_rel_err(rows, want) <= 1e-4
 
     @precondition(lambda self: len(self.expected) < 4)

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from hf_reference import build_hf_model, max_rel_err, reference_logits, save_checkpoint
+from hf_reference import hf_logits, make_hf_model, max_rel_err, save_checkpoint
 
 from hybridkv import CacheConfig, CachedModel, CacheFull
 
@@ -16,7 +16,7 @@ TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def hf_model() -> Any:
-    return build_hf_model(seed=3)
+    return make_hf_model(seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -31,12 +31,12 @@ def load(checkpoint: Path, **cache: Any) -> CachedModel:
 
 
 def tokens(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def assert_exact(hf_model: Any, cm: CachedModel, seq: int, rows: torch.Tensor) -> None:
     """`rows` are the logits of the last len(rows) tokens of `seq`."""
-    want = reference_logits(hf_model, cm.tokens(seq))[-len(rows) :]
+    want = hf_logits(hf_model, cm.tokens(seq))[-len(rows) :]
     assert max_rel_err(rows, want) <= TOL
 
 
@@ -45,7 +45,7 @@ def test_prefill_decode_and_chunked_prefill_match_transformers(hf_model: Any, ch
     ids = tokens(30, 1)
     a, b = cm.new_sequence(), cm.new_sequence()
     out = cm.feed({a: ids[:20], b: ids[:7]})
-    assert out[a].shape == (20, 97) and out[a].dtype == torch.float32
+    assert out[a].shape == (20, 128) and out[a].dtype == torch.float32
     assert_exact(hf_model, cm, a, out[a])
     assert_exact(hf_model, cm, b, out[b])
     for t in ids[20:]:
@@ -130,7 +130,7 @@ def test_bad_input_is_a_value_error_that_changes_nothing(checkpoint: Path) -> No
     cm = load(checkpoint)
     s = cm.new_sequence()
     cm.feed({s: [1, 2, 3]})
-    for bad in ({s: []}, {s: [1, 97]}, {s: [-1]}, {12345: [1]}, {s: ["a"]}, {}):
+    for bad in ({s: []}, {s: [1, 128]}, {s: [-1]}, {12345: [1]}, {s: ["a"]}, {}):
         with pytest.raises(ValueError):
             cm.feed(bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
@@ -166,8 +166,8 @@ def test_bfloat16_compute_stays_as_close_as_transformers_own_bfloat16(hf_model: 
     out = cm.feed({s: ids})[s]
     assert out.dtype == torch.float32
     assert cm.cache.tensors.delta[0].dtype == torch.float32
-    want = reference_logits(hf_model, ids)
-    hf_bf16 = reference_logits(build_hf_model(seed=3).to(torch.bfloat16), ids)
+    want = hf_logits(hf_model, ids)
+    hf_bf16 = hf_logits(make_hf_model(seed=3).to(torch.bfloat16), ids)
     # bf16 rounding (8-bit mantissa) can flip an expert choice, so a single row may move a lot;
     # the bound: rows typically within 3e-2 of float32, and no worse than 3x transformers' own bf16.
     ours = (out - want).abs().amax(1) / want.abs().max()

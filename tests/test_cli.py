@@ -4,105 +4,48 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pytest
 import torch
 
-from hybridkv import cli
-from hybridkv.default_model import IM_END_ID, VOCAB_SIZE, materialize
+from hybridkv import CacheConfig, CachedModel, cli
+from hybridkv.default_model import default_model_dir
+from hybridkv.engine.tokenizer import Tokenizer
+
+TOKENIZER = Tokenizer.from_dir(default_model_dir())
+VOCAB_SIZE = TOKENIZER.vocab_size
 
 
-@pytest.fixture(scope="module")
-def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    home = tmp_path_factory.mktemp("home")
-    materialize(home)
-    return home
+def greedy_ids(prompt: list[int], n: int) -> list[int]:
+    """The default model's greedy continuation, computed without the CLI or the engine."""
+    cm = CachedModel.load(default_model_dir(), cache=CacheConfig(max_model_len=256, max_sequences=1))
+    seq, ids = cm.new_sequence(), []
+    logits = cm.feed({seq: prompt}, logits="last")[seq]
+    for _ in range(n):
+        ids.append(int(logits[-1].argmax()))
+        logits = cm.feed({seq: ids[-1:]}, logits="last")[seq]
+    return ids
 
 
-@pytest.fixture(autouse=True)
-def _default_model_in_tmp(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HYBRIDKV_HOME", str(home))
-
-
-class ScriptedModel:
-    """Stands in for `CachedModel`: the k-th forward puts all probability on `script[k]`."""
-
-    def __init__(self, script: Sequence[int]) -> None:
-        self.script = list(script)
-        self.feeds: list[list[int]] = []
-        self.released: list[int] = []
-
-    def new_sequence(self) -> int:
-        return 5
-
-    def feed(self, tokens: Mapping[int, list[int]], logits: str) -> dict[int, torch.Tensor]:
-        assert logits == "last" and list(tokens) == [5]
-        self.feeds.append(list(tokens[5]))
-        out = torch.full((1, VOCAB_SIZE), -1e9)
-        out[0, self.script[len(self.feeds) - 1]] = 0.0
-        return {5: out}
-
-    def release(self, seq: int) -> None:
-        self.released.append(seq)
-
-
-def _scripted(monkeypatch: pytest.MonkeyPatch, script: Sequence[int]) -> ScriptedModel:
-    model = ScriptedModel(script)
-    monkeypatch.setattr(cli, "_load_model", lambda *args: model)
-    return model
-
-
-def test_streams_the_continuation_and_stops_at_end_of_sequence(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    model = _scripted(monkeypatch, [*"é!".encode(), IM_END_ID, ord("x")])
-    assert cli.main(["generate", "Hi"]) == 0
+def test_stdout_is_only_the_continuation_up_to_max_tokens(capsys: pytest.CaptureFixture[str]) -> None:
+    prompt = TOKENIZER.encode("The function returns")
+    assert cli.main(["generate", "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", "5"]) == 0
     out, err = capsys.readouterr()
-    assert out == "é!"  # only the new text; the end token is not printed
-    assert model.feeds == [[ord("H"), ord("i")], [0xC3], [0xA9], [ord("!")]]
-    assert model.released == [5]
-    assert "end-of-sequence" in err
+    assert out == TOKENIZER.decode(greedy_ids(prompt, 5))
+    assert "5 generated" in err and "stopped at --max-tokens" in err
 
 
-def test_stops_after_max_tokens_without_feeding_the_last_one(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    model = _scripted(monkeypatch, list(b"abcdef"))
-    assert cli.main(["generate", "--prompt-ids", "1,2", "--max-tokens", "3"]) == 0
-    assert capsys.readouterr().out == "abc"
-    assert model.feeds == [[1, 2], [ord("a")], [ord("b")]]
-
-
-def test_prompt_and_generated_tokens_fit_max_model_len(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    model = _scripted(monkeypatch, list(b"abcdef"))
-    assert cli.main(["generate", "xyz", "--max-model-len", "5"]) == 0
+def test_prompt_and_generated_tokens_fit_max_model_len(capsys: pytest.CaptureFixture[str]) -> None:
+    prompt = TOKENIZER.encode("The function returns a value")[:3]
+    assert len(prompt) == 3
+    assert cli.main(["generate", "--prompt-ids", ",".join(map(str, prompt)), "--max-model-len", "5"]) == 0
     out, err = capsys.readouterr()
-    assert out == "ab"
-    assert model.feeds == [list(b"xyz"), [ord("a")]]  # 3 + 2 = 5 tokens in all
+    assert out == TOKENIZER.decode(greedy_ids(prompt, 2))  # 3 + 2 = 5 tokens in all
     assert "full context" in err
 
 
-class FlatModel(ScriptedModel):
-    """Equal odds for every lowercase letter."""
-
-    def __init__(self) -> None:
-        super().__init__([])
-
-    def feed(self, tokens: Mapping[int, list[int]], logits: str) -> dict[int, torch.Tensor]:
-        out = torch.full((1, VOCAB_SIZE), -1e9)
-        out[0, ord("a") : ord("z") + 1] = 0.0
-        return {5: out}
-
-
-def test_sampling_is_reproducible_with_a_seed(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    monkeypatch.setattr(cli, "_load_model", lambda *args: FlatModel())
-
+def test_sampling_is_reproducible_with_a_seed(capsys: pytest.CaptureFixture[str]) -> None:
     def run(seed: int) -> str:
         assert cli.main(["generate", "a", "--temperature", "1", "--seed", str(seed), "--max-tokens", "20"]) == 0
         return capsys.readouterr().out
@@ -116,7 +59,7 @@ def test_sampling_is_reproducible_with_a_seed(
     [
         (["generate", ""], "the prompt is empty"),
         (["generate", "--prompt-ids", ""], "the prompt is empty"),
-        (["generate", "abcdef", "--max-model-len", "6"], "no room left in the context"),
+        (["generate", "--prompt-ids", "1,2,3,4,5,6", "--max-model-len", "6"], "no room left in the context"),
         (["generate", "a", "--prompt-ids", "1"], "not both"),
         (["generate"], "not both or neither"),
         (["generate", "--prompt-ids", "1,x"], "comma-separated integers"),
@@ -128,30 +71,30 @@ def test_sampling_is_reproducible_with_a_seed(
 def test_usage_errors_exit_2_with_one_line_and_never_load_the_model(
     argv: list[str], message: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(cli, "_load_model", lambda *args: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(cli, "_load_llm", lambda *args: pytest.fail("the model was loaded"))
     assert cli.main(argv) == 2
     out, err = capsys.readouterr()
     assert out == ""
     assert message in err and err.startswith("hybridkv: error:") and err.count("\n") == 1
 
 
-def test_the_installed_command_reports_errors_without_a_traceback(home: Path) -> None:
-    env = {"HYBRIDKV_HOME": str(home), "PATH": str(Path(sys.executable).parent)}
+def test_the_installed_command_reports_errors_without_a_traceback() -> None:
+    env = {"PATH": str(Path(sys.executable).parent)}
     run = subprocess.run(["hybridkv", "generate", ""], capture_output=True, text=True, env=env, timeout=120)
     assert run.returncode == 2
     assert run.stderr == "hybridkv: error: the prompt is empty\n"
 
 
-def test_greedy_output_matches_transformers_on_the_default_model(
-    home: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_greedy_output_matches_transformers_on_the_default_model(capsys: pytest.CaptureFixture[str]) -> None:
     transformers = pytest.importorskip("transformers")
     prompt = "The function returns"
     assert cli.main(["generate", prompt, "--max-tokens", "12"]) == 0
     ours = capsys.readouterr().out
 
-    model = transformers.Qwen3NextForCausalLM.from_pretrained(materialize(home))
-    ids = torch.tensor([list(prompt.encode())])
+    model = transformers.Qwen3NextForCausalLM.from_pretrained(default_model_dir())
+    ids = torch.tensor([TOKENIZER.encode(prompt)])
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=12, do_sample=False)
-    assert ours == bytes(out[0, ids.shape[1] :].tolist()).decode()
+    new = [t for t in out[0, ids.shape[1] :].tolist() if t not in TOKENIZER.eos_token_ids]
+    assert ours == TOKENIZER.decode(new)
+    assert len(ours.split()) >= 3  # a trained model: words, not an immediate end of text

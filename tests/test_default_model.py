@@ -1,110 +1,114 @@
-"""The default model is a valid Qwen3-Next checkpoint, judged by transformers, and is reproducible."""
+"""The shipped default model: as good as the README says, and a Qwen3-Next checkpoint as transformers reads it."""
 
 from __future__ import annotations
 
-import threading
+import math
+import re
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 
-from hybridkv.default_model import (
-    ENDOFTEXT_ID,
-    IM_END_ID,
-    VOCAB_SIZE,
-    byte_to_unicode,
-    default_model_dir,
-    materialize,
-)
+from hybridkv import CacheConfig, CachedModel
+from hybridkv.default_model import default_model_dir
+from hybridkv.engine.chat_template import ChatTemplate
 from hybridkv.engine.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 
+README = Path(__file__).parents[1] / "README.md"
+HELDOUT = Path(__file__).parent / "data" / "default_model_heldout.txt"
+# As scripts/train_default_model.py measures it: the first EVAL_TOKENS held-out tokens in windows
+# of SEQ_LEN, each a fresh sequence, every token but a window's first predicted.
+SEQ_LEN, EVAL_TOKENS = 256, 16384
+F32_TOL = 1e-4  # max |ours - transformers| as a share of max |logit|, as in tests/models/test_parity.py
+
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return materialize(tmp_path_factory.mktemp("home"))
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_dir(default_model_dir())
 
 
-def _tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    with safe_open(str(path), "pt") as f:
-        return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+@pytest.fixture(scope="module")
+def heldout_ids(tokenizer: Tokenizer) -> list[int]:
+    return tokenizer.encode(HELDOUT.read_text(encoding="utf-8"))
 
 
-def test_transformers_loads_it_with_every_weight_and_gets_finite_logits(model_dir: Path) -> None:
-    model, info = transformers.Qwen3NextForCausalLM.from_pretrained(model_dir, output_loading_info=True)
-    assert info["missing_keys"] == set()
-    assert info["unexpected_keys"] == set()
-    assert info["mismatched_keys"] == set()
+def readme_perplexity() -> float:
+    match = re.search(r"held-out perplexity is \*\*([0-9.]+)\*\*", README.read_text(encoding="utf-8"))
+    assert match, "README.md no longer states the default model's held-out perplexity"
+    return float(match.group(1))
+
+
+def test_heldout_perplexity_is_the_one_the_readme_states(heldout_ids: list[int]) -> None:
+    windows = torch.tensor(heldout_ids[:EVAL_TOKENS]).view(-1, SEQ_LEN)
+    cm = CachedModel.load(cache=CacheConfig(max_model_len=SEQ_LEN, max_sequences=16))
+    total = 0.0
+    for part in windows.split(16):
+        seqs = [cm.new_sequence() for _ in part]
+        logits = cm.feed(dict(zip(seqs, part.tolist(), strict=True)), logits="all")
+        for seq, window in zip(seqs, part, strict=True):
+            total += F.cross_entropy(logits[seq][:-1], window[1:], reduction="sum").item()
+            cm.release(seq)
+    perplexity = math.exp(total / (windows.numel() - windows.shape[0]))
+    assert perplexity == pytest.approx(readme_perplexity(), rel=0.01)
+
+
+def test_transformers_loads_every_weight_and_computes_our_logits(heldout_ids: list[int]) -> None:
+    model, info = transformers.Qwen3NextForCausalLM.from_pretrained(default_model_dir(), output_loading_info=True)
+    assert info["missing_keys"] == set() and info["unexpected_keys"] == set() and info["mismatched_keys"] == set()
     assert model.config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
-    ids = torch.tensor([list(b"def f(x):\n    return x")])
+    assert model.config.num_experts > 1 and model.config.shared_expert_intermediate_size > 0
+    ids = heldout_ids[1000:1300]  # longer than a training window
     with torch.no_grad():
-        logits = model(ids).logits
-    assert logits.shape == (1, ids.shape[1], VOCAB_SIZE)
-    assert torch.isfinite(logits).all()
+        theirs = model.eval()(torch.tensor([ids]), use_cache=False).logits[0]
+    cm = CachedModel.load(cache=CacheConfig(max_model_len=512, max_sequences=1))
+    seq = cm.new_sequence()
+    ours = torch.cat([cm.feed({seq: ids[:200]})[seq], cm.feed({seq: ids[200:]})[seq]])  # prefill, then more
+    err, scale = (ours - theirs).abs().max().item(), theirs.abs().max().item()
+    assert err <= F32_TOL * scale, f"max |diff| {err:.3g} > {F32_TOL} × max |logit| {scale:.3g}"
 
 
-def test_tensor_names_and_shapes_match_what_transformers_saves(model_dir: Path, tmp_path: Path) -> None:
-    config = transformers.Qwen3NextConfig.from_pretrained(model_dir)
+def test_tensor_names_and_shapes_are_what_transformers_saves(tmp_path: Path) -> None:
+    config = transformers.Qwen3NextConfig.from_pretrained(default_model_dir())
     transformers.Qwen3NextForCausalLM(config).save_pretrained(tmp_path)
-    assert _tensor_shapes(model_dir / "model.safetensors") == _tensor_shapes(tmp_path / "model.safetensors")
+
+    def shapes(path: Path) -> dict[str, tuple[int, ...]]:
+        with safe_open(str(path), "pt") as f:
+            return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+
+    assert shapes(default_model_dir() / "model.safetensors") == shapes(tmp_path / "model.safetensors")
 
 
-def test_materialising_twice_gives_byte_identical_files(model_dir: Path, tmp_path: Path) -> None:
-    again = materialize(tmp_path)
-    assert again.name == model_dir.name
-    names = sorted(p.name for p in model_dir.iterdir())
-    assert names == sorted(p.name for p in again.iterdir())
-    assert "model.safetensors" in names and "tokenizer.json" in names
-    for name in names:
-        assert (model_dir / name).read_bytes() == (again / name).read_bytes(), name
+def test_the_shipped_files_fit_in_25_mb() -> None:
+    files = list(default_model_dir().iterdir())
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {f.name for f in files}
+    assert sum(f.stat().st_size for f in files) <= 25 * 2**20
 
 
-def test_default_dir_lives_under_hybridkv_home_and_is_built_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("HYBRIDKV_HOME", str(tmp_path))
-    first = default_model_dir()
-    assert first.parent == tmp_path
-    written = (first / "model.safetensors").stat().st_mtime_ns
-    assert default_model_dir() == first
-    assert (first / "model.safetensors").stat().st_mtime_ns == written
+def test_tokenizer_is_byte_level_bpe_with_qwen_special_tokens(tokenizer: Tokenizer) -> None:
+    text = "The function returns 42 — ünïcödé, 中文 🙂\n\tdone"
+    ids = tokenizer.encode(text)
+    assert tokenizer.decode(ids) == text
+    english = "The function returns a new list of the items in the sequence."
+    assert len(tokenizer.encode(english)) < len(english) / 3  # learnt merges: about a word per token
+    im_start, im_end, endoftext = (tokenizer.token_to_id(t) for t in ("<|im_start|>", "<|im_end|>", "<|endoftext|>"))
+    assert tokenizer.encode("<|im_start|>user<|im_end|>") == [im_start, *tokenizer.encode("user"), im_end]
+    assert tokenizer.eos_token_ids == {im_end, endoftext}
+    theirs = transformers.AutoTokenizer.from_pretrained(default_model_dir())
+    assert theirs.encode(text + "<|im_end|>", add_special_tokens=False) == tokenizer.encode(text + "<|im_end|>")
+    assert (theirs.eos_token, theirs.pad_token) == ("<|im_end|>", "<|endoftext|>")
 
 
-def test_concurrent_first_uses_leave_one_complete_model(tmp_path: Path) -> None:
-    results: list[Path] = []
-    threads = [threading.Thread(target=lambda: results.append(materialize(tmp_path))) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert len(set(results)) == 1 and len(results) == 4
-    assert list(tmp_path.iterdir()) == [results[0]]  # no temporary directories left behind
-    transformers.Qwen3NextForCausalLM.from_pretrained(results[0])
-
-
-def test_tokenizer_is_byte_level_with_qwen_special_tokens(model_dir: Path) -> None:
-    tok = Tokenizer.from_dir(model_dir)
-    assert tok.vocab_size == VOCAB_SIZE == 259
-    assert tok.encode("héllo") == list("héllo".encode())
-    assert tok.decode(list("中文 🙂".encode())) == "中文 🙂"
-    assert tok.token_to_id("<|im_end|>") == IM_END_ID
-    assert tok.token_to_id("<|endoftext|>") == ENDOFTEXT_ID
-    assert tok.encode("<|im_start|>hi<|im_end|>") == [tok.token_to_id("<|im_start|>"), 104, 105, IM_END_ID]
-    assert tok.eos_token_ids == {IM_END_ID, ENDOFTEXT_ID}
-
-
-def test_transformers_reads_the_same_tokenizer(model_dir: Path) -> None:
-    theirs = transformers.AutoTokenizer.from_pretrained(model_dir)
-    ours = Tokenizer.from_dir(model_dir)
-    text = "The function returns 42 — ünïcödé\n\t<|im_end|>"
-    assert theirs.encode(text, add_special_tokens=False) == ours.encode(text)
-    assert theirs.eos_token == "<|im_end|>"
-    assert theirs.pad_token == "<|endoftext|>"
-
-
-def test_byte_alphabet_is_the_byte_level_one() -> None:
-    from tokenizers import pre_tokenizers
-
-    assert sorted(byte_to_unicode().values()) == sorted(pre_tokenizers.ByteLevel.alphabet())
+def test_chat_template_writes_chatml_as_transformers_does() -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a list?"}]
+    ours = ChatTemplate.from_dir(default_model_dir())
+    assert ours is not None
+    prompt = ours.render(messages)
+    assert prompt == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is a list?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    theirs = transformers.AutoTokenizer.from_pretrained(default_model_dir())
+    assert prompt == theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -11,9 +11,14 @@ Sequence i's new tokens sit at positions `start_lens[i] .. start_lens[i] + q_len
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    # States are float32; skip the dispatch of the usual no-op cast.
+    return x if x.dtype == torch.float32 else x.float()
 
 
 @dataclass(slots=True)
@@ -70,10 +75,11 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return int(self.positions.numel())
 
-    @property
-    def is_decode(self) -> bool:
-        """Every sequence feeds exactly one token: the recurrent step forms apply."""
-        return all(n == 1 for n in self.q_lens)
+    is_decode: bool = field(init=False)
+    """Every sequence feeds exactly one token: the recurrent step forms apply."""
+
+    def __post_init__(self) -> None:
+        self.is_decode = all(n == 1 for n in self.q_lens)
 
     # -- attention layers -------------------------------------------------------------------
 
@@ -105,8 +111,8 @@ class ForwardBatch:
     ) -> None:
         """Write the final states `[N, ...]` and the states after `snapshot_at` `[S, ...]`."""
         t = self.tensors
-        t.conv[layer].index_copy_(0, self.state_slots, conv.to(torch.float32))
-        t.delta[layer].index_copy_(0, self.state_slots, delta.to(torch.float32))
+        t.conv[layer].index_copy_(0, self.state_slots, _f32(conv))
+        t.delta[layer].index_copy_(0, self.state_slots, _f32(delta))
         if self.snapshot_ids.numel():
-            t.snap_conv[layer].index_copy_(0, self.snapshot_ids, conv_snapshots.to(torch.float32))
-            t.snap_delta[layer].index_copy_(0, self.snapshot_ids, delta_snapshots.to(torch.float32))
+            t.snap_conv[layer].index_copy_(0, self.snapshot_ids, _f32(conv_snapshots))
+            t.snap_delta[layer].index_copy_(0, self.snapshot_ids, _f32(delta_snapshots))

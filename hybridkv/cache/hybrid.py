@@ -6,6 +6,7 @@ changing anything, so an error never leaves half-changed bookkeeping behind.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -141,7 +142,16 @@ class HybridCache:
         if need_slots > self.slots.num_free:
             raise CacheFull(f"state slots full: this batch needs {need_slots}, {self.slots.num_free} free")
 
-        positions, slot_mapping, tables, snapshot_at, snapshot_ids = [], [], [], [], []
+        # Plain Python lists, one tensor each at the end: a decode step of N sequences costs a
+        # handful of tensor constructions, not a few per sequence.
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        tables: list[list[int]] = []
+        snapshot_at: list[int] = []
+        snapshot_ids: list[int] = []
+        seq_ids = tuple(batch)
+        q_lens = tuple(batch.values())
+        start_lens = tuple(self._seqs[seq].length for seq in seq_ids)
         offset = 0
         for seq, n in batch.items():
             s = self._seqs[seq]
@@ -150,11 +160,12 @@ class HybridCache:
                 s.block_table.append(self.blocks.alloc())
             if self.spec.num_linear_layers:
                 self._make_slot_private(s)
-            pos = torch.arange(s.length, s.length + n)
-            table = torch.tensor(s.block_table, dtype=torch.int64)
-            positions.append(pos)
-            slot_mapping.append(table[pos // bs] * bs + pos % bs)
-            tables.append(table)
+            first, end = s.length, s.length + n
+            positions.extend(range(first, end))
+            for b in range(first // bs, (end - 1) // bs + 1):  # the rows this forward writes, block by block
+                row0 = s.block_table[b] * bs
+                slot_mapping.extend(range(row0 + max(first - b * bs, 0), row0 + min(end - b * bs, bs)))
+            tables.append(s.block_table)
             wanted = set(snapshot_positions.get(seq, ()) if snapshot_positions else ())
             for p in self._plan_snapshots(s, n, wanted):
                 snap = s.ring.record(p)
@@ -162,30 +173,25 @@ class HybridCache:
                     snapshot_at.append(offset + p - s.length)
                     snapshot_ids.append(snap)
             offset += n
-
-        seq_ids = tuple(batch)
-        q_lens = tuple(batch.values())
-        start_lens = tuple(self._seqs[seq].length for seq in seq_ids)
         for seq, n in batch.items():
             self._seqs[seq].length += n
-        block_tables = torch.zeros(len(tables), max(len(t) for t in tables), dtype=torch.int64)
-        for i, t in enumerate(tables):
-            block_tables[i, : len(t)] = t
+
+        width = max(len(t) for t in tables)
+        int64 = torch.int64
         fb = ForwardBatch(
             seq_ids=seq_ids,
             q_lens=q_lens,
             start_lens=start_lens,
-            cu_seqlens=torch.tensor([0, *q_lens], dtype=torch.int64).cumsum(0),
-            positions=torch.cat(positions),
-            block_tables=block_tables,
-            kv_lens=torch.tensor([a + b for a, b in zip(start_lens, q_lens, strict=True)], dtype=torch.int64),
-            slot_mapping=torch.cat(slot_mapping),
+            cu_seqlens=torch.tensor([0, *itertools.accumulate(q_lens)], dtype=int64),
+            positions=torch.tensor(positions, dtype=int64),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=int64),
+            kv_lens=torch.tensor([a + b for a, b in zip(start_lens, q_lens, strict=True)], dtype=int64),
+            slot_mapping=torch.tensor(slot_mapping, dtype=int64),
             state_slots=torch.tensor(
-                [self._seqs[seq].slot if self._seqs[seq].slot is not None else 0 for seq in seq_ids],
-                dtype=torch.int64,
+                [self._seqs[seq].slot if self._seqs[seq].slot is not None else 0 for seq in seq_ids], dtype=int64
             ),
-            snapshot_at=torch.tensor(snapshot_at, dtype=torch.int64),
-            snapshot_ids=torch.tensor(snapshot_ids, dtype=torch.int64),
+            snapshot_at=torch.tensor(snapshot_at, dtype=int64),
+            snapshot_ids=torch.tensor(snapshot_ids, dtype=int64),
             tensors=self.tensors,
         )
         self._pending = _Pending(fb, snapshot_ids)

@@ -6,11 +6,14 @@ state [N, C, K-1] and one delta state [N, Hv, dk, dv] per sequence, float32
 (`batch.linear_state`, `batch.store_linear_state`), plus the states after `batch.snapshot_at`.
 
 Weights are rearranged once at load time (`checkpoint_layout`, the one place that knows
-checkpoint names) so the forward pass does a few large matmuls and plain splits:
+checkpoint names) so the forward pass does a few large matmuls and plain splits. Projections are
+stored transposed, [in, out], and applied as `x @ W`: at decode batch sizes MKL runs that GEMM at
+up to twice the memory bandwidth of `F.linear`'s x @ Wᵀ, and decode is bandwidth-bound.
 
-    linear layer  in_proj  [q | k | v | z | b | a]  (the checkpoint groups qkvz and ba per key head)
-    attention     qkv_proj [q | gate | k | v]        (the checkpoint interleaves q/gate per head)
-    MoE experts   gate_up [E, 2I, D] gate rows first, down [E, D, I]
+    linear layer  in_proj  [D, q | k | v | z | b | a]  (the checkpoint groups qkvz and ba per key head)
+    attention     qkv_proj [D, q | gate | k | v]        (the checkpoint interleaves q/gate per head)
+    MoE           gate_in  [D, router E | shared gate 1 | shared gate Is | shared up Is]: one matmul
+    MoE experts   gate_up [E, D, 2I] gate columns first, down [E, I, D]
     zero-centred norms stored as (1 + w) in float32
 """
 
@@ -28,6 +31,7 @@ from hybridkv.models.weights import COMPUTE_DTYPES, Checkpoint, Layout, Piece, W
 from hybridkv.ops.attention import paged_attention
 from hybridkv.ops.conv import causal_conv1d, causal_conv1d_step
 from hybridkv.ops.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from hybridkv.ops.dtypes import f32
 
 
 def _weight(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -35,23 +39,37 @@ def _weight(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
 
 
-def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x̂ = x / rms(x) over the last dim, in float32."""
-    x = x.float()
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-
-
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+    return x * torch.rsqrt(torch.linalg.vecdot(x, x)[..., None] + eps)
+
+
+# Up to this many rows a product x @ W only streams W from memory.
+FEW_ROWS = 32
+
+
+def _mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, D] @ w [D, N]. With few rows MKL streams w on one core; split D into one part per
+    thread instead, as one bmm (one batch per thread), and add the parts: ~1.5x the bandwidth."""
+    T, D = x.shape
+    parts = torch.get_num_threads()
+    if T > FEW_ROWS or parts == 1 or D % parts or w.dtype != torch.float32:  # (bf16 would round each part)
+        return x @ w
+    return torch.bmm(x.reshape(T, parts, D // parts).transpose(0, 1), w.view(parts, D // parts, -1)).sum(0)
 
 
 def _swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down)
+    """gate_up [D, 2I] gate columns first, down [I, D] (transposed storage)."""
+    return _mm(_silu_mul(_mm(x, gate_up)), down)
+
+
+def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class RMSNorm(nn.Module):
-    """x̂ · weight; weight is float32 (zero-centred checkpoint norms are loaded as 1 + w)."""
+    """x / rms(x) · weight in float32, cast back to x's dtype; weight is float32 (zero-centred
+    checkpoint norms are loaded as 1 + w)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -59,7 +77,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (_rms(x, self.eps) * self.weight).to(x.dtype)
+        y = F.rms_norm(f32(x), self.weight.shape, self.weight, self.eps)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
 class GatedDeltaNet(nn.Module):
@@ -73,16 +92,20 @@ class GatedDeltaNet(nn.Module):
         self.dk, self.dv = c.linear_key_head_dim, c.linear_value_head_dim
         self.r = c.value_heads_per_key_head
         self.C = c.conv_channels
-        self.in_proj = _weight(self.C + self.Hv * self.dv + 2 * self.Hv, c.hidden_size, dtype=dtype)
+        self.in_proj = _weight(c.hidden_size, self.C + self.Hv * self.dv + 2 * self.Hv, dtype=dtype)
         self.conv_weight = _weight(self.C, c.linear_conv_kernel_dim, dtype=dtype)
         self.A_log = _weight(self.Hv, dtype=torch.float32)
         self.dt_bias = _weight(self.Hv, dtype=torch.float32)
         self.norm = RMSNorm(self.dv, c.rms_norm_eps)  # plain x̂·w, gated by silu(z)
-        self.out_proj = _weight(c.hidden_size, self.Hv * self.dv, dtype=dtype)
+        self.out_proj = _weight(self.Hv * self.dv, c.hidden_size, dtype=dtype)
+        # Per-head scale after the joint q|k L2 norm: dk^-0.5 for the Hk query heads, 1 for the keys.
+        qk_scale = torch.tensor([self.dk**-0.5] * self.Hk + [1.0] * self.Hk)[:, None]
+        self.qk_scale: torch.Tensor
+        self.register_buffer("qk_scale", qk_scale, persistent=False)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         T, Hk, Hv, dk, dv = x.shape[0], self.Hk, self.Hv, self.dk, self.dv
-        qkv, z, b, a = F.linear(x, self.in_proj).split([self.C, Hv * dv, Hv, Hv], dim=-1)
+        qkv, z, b, a = _mm(x, self.in_proj).split([self.C, Hv * dv, Hv, Hv], dim=-1)
         conv_state, delta_state = batch.linear_state(self.index)
 
         if batch.is_decode:  # token n is sequence n: its snapshot is its new state
@@ -93,14 +116,14 @@ class GatedDeltaNet(nn.Module):
                 qkv, self.conv_weight, batch.cu_seqlens, conv_state, state_at=batch.snapshot_at
             )
 
-        q, k, v = y.split([Hk * dk, Hk * dk, Hv * dv], dim=-1)
-        q = _l2norm(q.reshape(T, Hk, dk)) * dk**-0.5
-        k = _l2norm(k.reshape(T, Hk, dk))
+        qk, v = y.split([2 * Hk * dk, Hv * dv], dim=-1)
+        qk = _l2norm(qk.reshape(T, 2 * Hk, dk)) * self.qk_scale  # q and k heads normalised together
         if self.r > 1:  # value head h reads key head h // r
-            q, k = q.repeat_interleave(self.r, dim=1), k.repeat_interleave(self.r, dim=1)
+            qk = qk.repeat_interleave(self.r, dim=1)
+        q, k = qk[:, :Hv], qk[:, Hv:]
         v = v.reshape(T, Hv, dv)
-        g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
-        beta = b.float().sigmoid()
+        g = -self.A_log.exp() * F.softplus(f32(a) + self.dt_bias)
+        beta = f32(b).sigmoid()
 
         if batch.is_decode:
             o, delta_state = recurrent_gated_delta_rule(q, k, v, g, beta, delta_state)
@@ -111,8 +134,8 @@ class GatedDeltaNet(nn.Module):
             )
         batch.store_linear_state(self.index, conv_state, delta_state, conv_snaps, delta_snaps)
 
-        o = self.norm(o) * F.silu(z.reshape(T, Hv, dv).float())
-        return F.linear(o.to(x.dtype).reshape(T, Hv * dv), self.out_proj)
+        o = self.norm(o) * F.silu(f32(z).reshape(T, Hv, dv))
+        return _mm(o.reshape(T, Hv * dv).to(x.dtype), self.out_proj)
 
 
 class GatedAttention(nn.Module):
@@ -124,20 +147,20 @@ class GatedAttention(nn.Module):
         self.index = index  # a: this layer's number among attention layers
         self.H, self.Hkv, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.scale = self.hd**-0.5
-        self.qkv_proj = _weight((2 * self.H + 2 * self.Hkv) * self.hd, c.hidden_size, dtype=dtype)
+        self.qkv_proj = _weight(c.hidden_size, (2 * self.H + 2 * self.Hkv) * self.hd, dtype=dtype)
         self.q_norm = RMSNorm(self.hd, c.rms_norm_eps)
         self.k_norm = RMSNorm(self.hd, c.rms_norm_eps)
-        self.o_proj = _weight(c.hidden_size, self.H * self.hd, dtype=dtype)
+        self.o_proj = _weight(self.H * self.hd, c.hidden_size, dtype=dtype)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         T, H, Hkv, hd = x.shape[0], self.H, self.Hkv, self.hd
-        q, gate, k, v = F.linear(x, self.qkv_proj).split([H * hd, H * hd, Hkv * hd, Hkv * hd], dim=-1)
+        q, gate, k, v = _mm(x, self.qkv_proj).split([H * hd, H * hd, Hkv * hd, Hkv * hd], dim=-1)
         q = _rope(self.q_norm(q.reshape(T, H, hd)), cos, sin)
         k = _rope(self.k_norm(k.reshape(T, Hkv, hd)), cos, sin)
         batch.store_kv(self.index, k, v.reshape(T, Hkv, hd))
         k_pool, v_pool = batch.kv_pools(self.index)
         o = paged_attention(q, k_pool, v_pool, batch.block_tables, batch.cu_seqlens, batch.kv_lens, self.scale)
-        return F.linear(o.reshape(T, H * hd) * torch.sigmoid(gate), self.o_proj)
+        return _mm(o.reshape(T, H * hd) * torch.sigmoid(gate), self.o_proj)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -156,37 +179,43 @@ class SparseMoE(nn.Module):
         super().__init__()
         c = config
         E, D, I, Is = c.num_experts, c.hidden_size, c.moe_intermediate_size, c.shared_expert_intermediate_size
-        self.top_k, self.norm_topk_prob = c.num_experts_per_tok, c.norm_topk_prob
-        self.router = _weight(E, D, dtype=dtype)
-        self.gate_up = _weight(E, 2 * I, D, dtype=dtype)
-        self.down = _weight(E, D, I, dtype=dtype)
-        self.shared_gate_up = _weight(2 * Is, D, dtype=dtype)
-        self.shared_down = _weight(D, Is, dtype=dtype)
-        self.shared_gate = _weight(1, D, dtype=dtype)
+        self.E, self.Is, self.top_k, self.norm_topk_prob = E, Is, c.num_experts_per_tok, c.norm_topk_prob
+        self.gate_in = _weight(D, E + 1 + 2 * Is, dtype=dtype)  # router | shared gate | shared gate_up
+        self.gate_up = _weight(E, D, 2 * I, dtype=dtype)
+        self.down = _weight(E, I, D, dtype=dtype)
+        self.shared_down = _weight(Is, D, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probs = F.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float32)
+        router, shared_gate, shared_gate_up = _mm(x, self.gate_in).split([self.E, 1, 2 * self.Is], dim=-1)
+        probs = F.softmax(router, dim=-1, dtype=torch.float32)
         weights, experts = probs.topk(self.top_k, dim=-1)  # [T, k]
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
         routed = self._experts(x, experts, weights.to(x.dtype))
-        shared = _swiglu(x, self.shared_gate_up, self.shared_down) * torch.sigmoid(F.linear(x, self.shared_gate))
-        return routed + shared
+        shared = _mm(_silu_mul(shared_gate_up), self.shared_down)
+        return routed + shared * torch.sigmoid(shared_gate)
 
     def _experts(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        # Sort the T·k (token, expert) pairs by expert: one matmul pair per expert that has tokens.
-        flat = experts.flatten()
-        order = flat.argsort(stable=True)
+        if x.shape[0] == 1:
+            # One token: copy its k experts' weights side by side (a copy streams on every thread), then
+            # one bmm per product; measured as fast as a k-split matmul pair per expert, in fewer ops.
+            ids = experts[0]
+            h = torch.bmm(x.expand(self.top_k, 1, x.shape[1]), self.gate_up.index_select(0, ids))
+            y = torch.bmm(_silu_mul(h), self.down.index_select(0, ids))  # [k, 1, D]
+            return weights @ y[:, 0]
+        # Sort the T·k (token, expert) pairs by expert, so each expert's rows are one contiguous run.
+        # One matmul pair per expert that has rows (torch._grouped_mm is slower on CPU: its per-group
+        # products run on one thread).
+        sorted_experts, order = experts.flatten().sort(stable=True)
         token = order // self.top_k
-        counts = torch.bincount(flat, minlength=self.gate_up.shape[0]).tolist()
         xs = x.index_select(0, token)
         ys = torch.empty_like(xs)
         start = 0
-        for e, n in enumerate(counts):
+        for e, n in enumerate(torch.bincount(sorted_experts, minlength=self.E).tolist()):
             if n:
                 ys[start : start + n] = _swiglu(xs[start : start + n], self.gate_up[e], self.down[e])
                 start += n
-        ys = ys * weights.flatten()[order, None]
+        ys = ys * weights.flatten().index_select(0, order)[:, None]
         return torch.zeros_like(x).index_add_(0, token, ys)
 
 
@@ -195,8 +224,8 @@ class DenseMLP(nn.Module):
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
-        self.gate_up = _weight(2 * config.intermediate_size, config.hidden_size, dtype=dtype)
-        self.down = _weight(config.hidden_size, config.intermediate_size, dtype=dtype)
+        self.gate_up = _weight(config.hidden_size, 2 * config.intermediate_size, dtype=dtype)
+        self.down = _weight(config.intermediate_size, config.hidden_size, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _swiglu(x, self.gate_up, self.down)
@@ -239,8 +268,8 @@ class Qwen3NextModel(nn.Module):
         self.embed = _weight(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = (
-            None if config.tie_word_embeddings else _weight(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.lm_head = (  # [D, V]; a tied model multiplies by the embedding [V, D] instead
+            None if config.tie_word_embeddings else _weight(config.hidden_size, config.vocab_size, dtype=dtype)
         )
         rd = config.rotary_dim
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float) / rd))
@@ -265,8 +294,9 @@ class Qwen3NextModel(nn.Module):
             x = layer(x, batch, cos, sin)
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)
-        lm_head = self.embed if self.lm_head is None else self.lm_head
-        return F.linear(self.norm(x), lm_head).float()
+        x = self.norm(x)
+        logits = F.linear(x, self.embed) if self.lm_head is None else _mm(x, self.lm_head)
+        return logits.float()
 
 
 # -- checkpoint mapping: the one place that knows Hugging Face names and layouts -----------------
@@ -295,6 +325,16 @@ def _expert(e: int, start: int | None = None, stop: int | None = None) -> WriteF
     return write
 
 
+def _transposed(pieces: list[Piece]) -> list[Piece]:
+    """The pieces of a projection stored [in, out]: each writes its checkpoint [out, in] tensor
+    through the transposed view, so the writers above keep indexing checkpoint rows."""
+
+    def through_mT(write: WriteFn) -> WriteFn:
+        return lambda param, t: write(param.mT, t)
+
+    return [Piece(p.name, p.shape, through_mT(p.write)) for p in pieces]
+
+
 def checkpoint_layout(config: ModelConfig, names: set[str]) -> Layout:
     """Our parameter name → the Hugging Face checkpoint tensors that fill it.
 
@@ -309,7 +349,7 @@ def checkpoint_layout(config: ModelConfig, names: set[str]) -> Layout:
         "norm.weight": [Piece("model.norm.weight", (D,), _zero_centred)],
     }
     if not c.tie_word_embeddings:
-        layout["lm_head"] = [Piece("lm_head.weight", (V, D))]
+        layout["lm_head"] = _transposed([Piece("lm_head.weight", (V, D))])
     for i, kind in enumerate(c.layer_kinds):
         ours, hf = f"layers.{i}.", f"model.layers.{i}."
         layout[ours + "input_norm.weight"] = [Piece(hf + "input_layernorm.weight", (D,), _zero_centred)]
@@ -348,15 +388,17 @@ def _linear_layout(c: ModelConfig, hf: str) -> Layout:
         param.copy_(t[:, 0, :])
 
     return {
-        "in_proj": [
-            Piece(hf + "in_proj_qkvz.weight", (2 * Hk * dk + 2 * Hv * dv, D), write_qkvz),
-            Piece(hf + "in_proj_ba.weight", (2 * Hv, D), write_ba),
-        ],
+        "in_proj": _transposed(
+            [
+                Piece(hf + "in_proj_qkvz.weight", (2 * Hk * dk + 2 * Hv * dv, D), write_qkvz),
+                Piece(hf + "in_proj_ba.weight", (2 * Hv, D), write_ba),
+            ]
+        ),
         "conv_weight": [Piece(hf + "conv1d.weight", (C, 1, K), write_conv)],
         "A_log": [Piece(hf + "A_log", (Hv,))],
         "dt_bias": [Piece(hf + "dt_bias", (Hv,))],
         "norm.weight": [Piece(hf + "norm.weight", (dv,))],
-        "out_proj": [Piece(hf + "out_proj.weight", (D, Hv * dv))],
+        "out_proj": _transposed([Piece(hf + "out_proj.weight", (D, Hv * dv))]),
     }
 
 
@@ -371,27 +413,32 @@ def _attention_layout(c: ModelConfig, hf: str) -> Layout:
 
     kv_start = 2 * H * hd
     return {
-        "qkv_proj": [
-            Piece(hf + "q_proj.weight", (2 * H * hd, D), write_q),
-            Piece(hf + "k_proj.weight", (Hkv * hd, D), _rows(kv_start, kv_start + Hkv * hd)),
-            Piece(hf + "v_proj.weight", (Hkv * hd, D), _rows(kv_start + Hkv * hd, kv_start + 2 * Hkv * hd)),
-        ],
+        "qkv_proj": _transposed(
+            [
+                Piece(hf + "q_proj.weight", (2 * H * hd, D), write_q),
+                Piece(hf + "k_proj.weight", (Hkv * hd, D), _rows(kv_start, kv_start + Hkv * hd)),
+                Piece(hf + "v_proj.weight", (Hkv * hd, D), _rows(kv_start + Hkv * hd, kv_start + 2 * Hkv * hd)),
+            ]
+        ),
         "q_norm.weight": [Piece(hf + "q_norm.weight", (hd,), _zero_centred)],
         "k_norm.weight": [Piece(hf + "k_norm.weight", (hd,), _zero_centred)],
-        "o_proj": [Piece(hf + "o_proj.weight", (D, H * hd))],
+        "o_proj": _transposed([Piece(hf + "o_proj.weight", (D, H * hd))]),
     }
 
 
-def _swiglu_layout(hf: str, I: int, D: int) -> list[Piece]:
+def _swiglu_layout(hf: str, I: int, D: int, first_row: int = 0) -> list[Piece]:
     return [
-        Piece(hf + "gate_proj.weight", (I, D), _rows(0, I)),
-        Piece(hf + "up_proj.weight", (I, D), _rows(I, 2 * I)),
+        Piece(hf + "gate_proj.weight", (I, D), _rows(first_row, first_row + I)),
+        Piece(hf + "up_proj.weight", (I, D), _rows(first_row + I, first_row + 2 * I)),
     ]
 
 
 def _mlp_layout(c: ModelConfig, hf: str) -> Layout:
     D, I = c.hidden_size, c.intermediate_size
-    return {"gate_up": _swiglu_layout(hf, I, D), "down": [Piece(hf + "down_proj.weight", (D, I))]}
+    return {
+        "gate_up": _transposed(_swiglu_layout(hf, I, D)),
+        "down": _transposed([Piece(hf + "down_proj.weight", (D, I))]),
+    }
 
 
 def _moe_layout(c: ModelConfig, hf: str, names: set[str]) -> Layout:
@@ -412,13 +459,16 @@ def _moe_layout(c: ModelConfig, hf: str, names: set[str]) -> Layout:
         down = [Piece(experts + "down_proj", (E, D, I))]
     else:
         down = [Piece(f"{experts}{e}.down_proj.weight", (D, I), _expert(e)) for e in range(E)]
+    gate_in = [
+        Piece(hf + "gate.weight", (E, D), _rows(0, E)),
+        Piece(hf + "shared_expert_gate.weight", (1, D), _rows(E, E + 1)),
+        *_swiglu_layout(hf + "shared_expert.", Is, D, first_row=E + 1),
+    ]
     return {
-        "router": [Piece(hf + "gate.weight", (E, D))],
-        "gate_up": gate_up,
-        "down": down,
-        "shared_gate_up": _swiglu_layout(hf + "shared_expert.", Is, D),
-        "shared_down": [Piece(hf + "shared_expert.down_proj.weight", (D, Is))],
-        "shared_gate": [Piece(hf + "shared_expert_gate.weight", (1, D))],
+        "gate_in": _transposed(gate_in),
+        "gate_up": _transposed(gate_up),
+        "down": _transposed(down),
+        "shared_down": _transposed([Piece(hf + "shared_expert.down_proj.weight", (D, Is))]),
     }
 
 

@@ -73,22 +73,28 @@ def _decode_attention(
     kv_lens_list: list[int],
     scale: float,
 ) -> torch.Tensor:
-    """One query per sequence (q [N, H, hd]): one padded gather and one masked SDPA for all of them."""
+    """One query per sequence (q [N, H, hd]): one padded gather and one SDPA for all of them."""
     N, H, hd = q.shape
     block_size, Hkv = k_pool.shape[1], k_pool.shape[2]
-    n_blocks = -(-max(kv_lens_list) // block_size)
-    tables = block_tables[:, :n_blocks]
+    longest = max(kv_lens_list)
+    n_blocks = -(-longest // block_size)
+    L = n_blocks * block_size
+    q_n = q.float()[:, :, None, :]  # [N, H, 1, hd]
+    if N == 1:  # nothing to pad: read exactly the sequence's positions, no mask
+        blocks = block_tables[0, :n_blocks]
+        k = k_pool.index_select(0, blocks).view(1, L, Hkv, hd)[:, :longest].transpose(1, 2).float()
+        v = v_pool.index_select(0, blocks).view(1, L, Hkv, hd)[:, :longest].transpose(1, 2).float()
+        o = F.scaled_dot_product_attention(q_n, k, v, scale=scale, enable_gqa=True)
+        return o[:, :, 0].to(q.dtype)
     # Table slots past a sequence's last block may hold anything: read block 0 there instead.
     used = torch.arange(n_blocks) * block_size < kv_lens[:, None]
-    tables = torch.where(used, tables, 0).flatten()
-    L = n_blocks * block_size
+    tables = block_tables[:, :n_blocks].masked_fill(~used, 0).flatten()
     valid = torch.arange(L) < kv_lens[:, None]  # [N, L]
-    # Rows past kv_len may hold stale or uninitialised values (even NaN, which a -inf mask would not
-    # stop: 0 · NaN = NaN), so zero them before they meet the softmax.
-    keep = valid[:, :, None, None]
-    k = torch.where(keep, k_pool.index_select(0, tables).view(N, L, Hkv, hd), 0).transpose(1, 2).float()
-    v = torch.where(keep, v_pool.index_select(0, tables).view(N, L, Hkv, hd), 0).transpose(1, 2).float()
+    # Rows past kv_len may hold stale values (even NaN, which a -inf mask would not stop:
+    # 0 · NaN = NaN), so zero them before they meet the softmax.
+    invalid = ~valid[:, :, None, None]
+    k = k_pool.index_select(0, tables).view(N, L, Hkv, hd).masked_fill_(invalid, 0).transpose(1, 2).float()
+    v = v_pool.index_select(0, tables).view(N, L, Hkv, hd).masked_fill_(invalid, 0).transpose(1, 2).float()
     mask = valid[:, None, None, :]  # [N, 1, 1, L]
-    q_n = q.float()[:, :, None, :]  # [N, H, 1, hd]
     o = F.scaled_dot_product_attention(q_n, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return o[:, :, 0].to(q.dtype)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hybridkv.ops.dtypes import f32
+
 
 def causal_conv1d(
     x: torch.Tensor,
@@ -74,9 +76,9 @@ def causal_conv1d_step(
 
     Returns y [N, C] float32 and new_state [N, C, K-1] float32 (state shifted left by one, x appended).
     """
-    window = torch.cat([state.float(), x.float()[:, :, None]], dim=-1)  # [N, C, K]
-    y = (window * weight.float()).sum(-1)
-    return _activate(y, activation), window[:, :, 1:].contiguous()
+    window = torch.cat([f32(state), f32(x)[:, :, None]], dim=-1)  # [N, C, K]
+    y = torch.linalg.vecdot(window, f32(weight))
+    return _activate(y, activation), window[:, :, 1:]
 
 
 def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybridkv.ops.dtypes import f32
+
 
 def chunk_gated_delta_rule(
     q: torch.Tensor,
@@ -66,8 +68,8 @@ def chunk_gated_delta_rule(
     k_beta = k_c * beta_c[..., None]
     # With A = I + strict_lower(diag(β) K Kᵀ ⊙ decay):  U = A⁻¹ diag(β) V,  W = A⁻¹ diag(β e^{g_cum}) K.
     ut_system = (k_beta @ k_c.transpose(-1, -2)) * decay
-    u_c = torch.linalg.solve_triangular(ut_system, v_c * beta_c[..., None], upper=False, unitriangular=True)
-    w_c = torch.linalg.solve_triangular(ut_system, k_beta * g_cum.exp()[..., None], upper=False, unitriangular=True)
+    rhs = torch.cat([v_c * beta_c[..., None], k_beta * g_cum.exp()[..., None]], dim=-1)  # one solve for both
+    u_c, w_c = torch.linalg.solve_triangular(ut_system, rhs, upper=False, unitriangular=True).split([dv, dk], -1)
     intra = (q_c @ k_c.transpose(-1, -2)) * decay  # [B, Hv, C, C], includes the diagonal
     q_decayed = q_c * g_cum.exp()[..., None]
     k_decayed_t = (k_c * (g_cum[..., -1:] - g_cum).exp()[..., None]).transpose(-1, -2)  # [B, Hv, dk, C]
@@ -162,10 +164,9 @@ def recurrent_gated_delta_rule(
     q, k [N, Hv, dk]; v [N, Hv, dv]; g, beta [N, Hv]; state [N, Hv, dk, dv] float32 (not modified).
     Returns o [N, Hv, dv] and new_state [N, Hv, dk, dv], both float32.
     """
-    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    q, k, v, g, beta = (f32(x) for x in (q, k, v, g, beta))
     new_state = state * g.exp()[..., None, None]
-    k_row = k[..., None, :]  # [N, Hv, 1, dk]
-    u = beta[..., None, None] * (v[..., None, :] - k_row @ new_state)  # [N, Hv, 1, dv]
-    new_state.flatten(0, 1).baddbmm_(k.flatten(0, 1)[..., None], u.flatten(0, 1))  # rank-1 write k ⊗ u
+    u = beta[..., None, None] * (v[..., None, :] - k[..., None, :] @ new_state)  # [N, Hv, 1, dv]
+    new_state.addcmul_(k[..., :, None], u)  # rank-1 write k ⊗ u (elementwise: faster than a bmm of outer products)
     o = q[..., None, :] @ new_state
     return o.squeeze(-2), new_state

@@ -131,9 +131,9 @@ def test_32_concurrent_requests_under_a_tight_budget_match_running_alone(chat_mo
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     alone = make_llm(chat_model, prefix_caching=False)
     expected = [alone.generate(p, params)[0].outputs[0].token_ids for p in prompts]
-    # KV for ~3 full sequences: requests wait, get preempted and resume
+    # KV for 3 full sequences in small blocks: requests wait, decode growth preempts, they resume
     spec = alone.cm.cache.spec
-    tight = make_llm(chat_model, max_model_len=160, kv_bytes=30 * 16 * spec.kv_bytes_per_token)
+    tight = make_llm(chat_model, max_model_len=160, block_size=4, kv_bytes=120 * 4 * spec.kv_bytes_per_token)
     outs = tight.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert all(o.outputs[0].finish_reason == "length" for o in outs)

@@ -7,16 +7,18 @@ import shutil
 from pathlib import Path
 
 import pytest
+from byte_level import IM_END_ID
+from byte_level import byte_tokenizer as make_byte_tokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridkv.default_model import IM_END_ID, materialize
+from hybridkv.default_model import default_model_dir
 from hybridkv.engine.tokenizer import IncrementalDecoder, Tokenizer
 
 
 @pytest.fixture(scope="module")
-def byte_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    return Tokenizer.from_dir(materialize(tmp_path_factory.mktemp("home")))
+def byte_tokenizer() -> Tokenizer:
+    return make_byte_tokenizer()
 
 
 def _stream(tok: Tokenizer, ids: list[int], context: list[int] | None = None) -> list[str]:
@@ -65,15 +67,15 @@ def test_context_keeps_a_leading_space_that_a_metaspace_decoder_would_drop(tmp_p
     assert "".join(_stream(tok, [1], context=[0])) == " world"
 
 
-def test_eos_ids_are_gathered_from_every_config_file(byte_tokenizer: Tokenizer, tmp_path: Path) -> None:
-    src = materialize(tmp_path / "home")
+def test_eos_ids_are_gathered_from_every_config_file(tmp_path: Path) -> None:
     model = tmp_path / "model"
     model.mkdir()
-    shutil.copy(src / "tokenizer.json", model)
+    shutil.copy(default_model_dir() / "tokenizer.json", model)
     (model / "config.json").write_text(json.dumps({"eos_token_id": 7}))
     (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [8, 9]}))
     (model / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|im_end|>"}}))
-    assert Tokenizer.from_dir(model).eos_token_ids == {7, 8, 9, IM_END_ID}
+    im_end = Tokenizer.from_dir(default_model_dir()).token_to_id("<|im_end|>")
+    assert Tokenizer.from_dir(model).eos_token_ids == {7, 8, 9, im_end}
     (model / "tokenizer_config.json").unlink()
     (model / "generation_config.json").unlink()
     assert Tokenizer.from_dir(model).eos_token_ids == {7}
@@ -82,3 +84,10 @@ def test_eos_ids_are_gathered_from_every_config_file(byte_tokenizer: Tokenizer, 
 def test_a_directory_without_tokenizer_json_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
         Tokenizer.from_dir(tmp_path)
+
+
+def test_the_test_byte_alphabet_is_the_byte_level_one() -> None:
+    from byte_level import byte_to_unicode
+    from tokenizers import pre_tokenizers
+
+    assert sorted(byte_to_unicode().values()) == sorted(pre_tokenizers.ByteLevel.alphabet())

@@ -1,0 +1,105 @@
+"""The machine's limits, measured on the spot, and what they allow a scenario at best (a roofline).
+
+Limits: memory read bandwidth (a sum over a tensor far larger than the caches) and fp32 matmul
+throughput (the best of a few large products), each the best of a few runs. A scenario's floor time is
+max(bytes it must read / bandwidth, FLOPs it must do / matmul rate); its fraction of the limit is
+floor / measured. Weights dominate both: FLOPs are 2 per active weight per token, bytes are the
+weights one step reads (attention and the delta rule add a few percent, which the floor ignores).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hybridkv.models.qwen3_next import SparseMoE
+
+
+def best_time(fn: Callable[[], object], reps: int) -> float:
+    """The fastest of `reps` runs after one warm-up: a limit is what the machine can do, and on a
+    shared machine the slower runs measure the neighbours."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    threads: int
+    read_gb_s: float
+    matmul_gflop_s: float
+
+    @staticmethod
+    def measure(quick: bool = False) -> Limits:
+        reps = 3 if quick else 7
+        big = torch.ones(64 * 2**20)  # 256 MiB, 8x the L3 of these machines
+        read = big.numel() * big.element_size() / best_time(big.sum, reps)
+        del big
+        best = 0.0
+        for m, k, n in ((2048, 2048, 2048), (2048, 512, 2048), (512, 512, 4096)):
+            a, b = torch.randn(m, k), torch.randn(k, n)
+            best = max(best, 2 * m * k * n / best_time(functools.partial(torch.matmul, a, b), reps))
+        return Limits(torch.get_num_threads(), read / 1e9, best / 1e9)
+
+    def floor_seconds(self, read_bytes: float, flops: float) -> float:
+        return max(read_bytes / (self.read_gb_s * 1e9), flops / (self.matmul_gflop_s * 1e9))
+
+
+@dataclass(frozen=True, slots=True)
+class WeightCounts:
+    """Weights of a hybridkv model by role, in elements.
+
+    total: all parameters; embed: the embedding (a step reads only its rows); lm_head: the output
+    layer (the embedding when tied); experts: routed expert weights; active_experts_fraction: top_k / E.
+    """
+
+    total: int
+    embed: int
+    lm_head: int
+    experts: int
+    active_experts_fraction: float
+    element_size: int
+    tied: bool
+
+    @staticmethod
+    def of(model: nn.Module) -> WeightCounts:
+        params = dict(model.named_parameters())
+        total = sum(p.numel() for p in params.values())
+        embed = params["embed"].numel()
+        lm_head = params["lm_head"].numel() if "lm_head" in params else embed  # tied: embed is the output layer
+        experts, fraction = 0, 1.0
+        for module in model.modules():
+            if isinstance(module, SparseMoE):
+                experts += module.gate_up.numel() + module.down.numel()
+                fraction = module.top_k / module.gate_up.shape[0]
+        size = params["embed"].element_size()
+        return WeightCounts(total, embed, lm_head, experts, fraction, size, tied="lm_head" not in params)
+
+    @property
+    def active_per_token(self) -> int:
+        """Weights one token multiplies: all but the embedding rows and the experts it did not choose."""
+        body = self.total - self.embed + (self.lm_head if self.tied else 0)
+        return int(body - self.experts * (1 - self.active_experts_fraction))
+
+    def prefill_flops(self, tokens: int) -> float:
+        """Last-token logits only: the output layer runs once."""
+        return 2.0 * (tokens * (self.active_per_token - self.lm_head) + self.lm_head)
+
+    def decode_bytes(self, batch: int) -> float:
+        """Weights one decode step reads: the active ones at batch 1, and at larger batches the
+        experts any of the batch's tokens chose (expected, for uniform top-k routing)."""
+        p_unused = (1 - self.active_experts_fraction) ** batch
+        body = self.active_per_token - self.experts * self.active_experts_fraction
+        return (body + self.experts * (1 - p_unused)) * self.element_size
+
+    def decode_flops(self, batch: int) -> float:
+        return 2.0 * batch * self.active_per_token

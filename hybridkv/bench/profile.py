@@ -1,0 +1,127 @@
+"""Where hybridkv's decode time goes, by part of the model and by op family.
+
+    python -m hybridkv.bench.profile [--model DIR] [--batch N] [--steps N]
+
+Without --model it builds the bench model (`workload.BENCH_MODEL`, transformers needed). It
+prefills `batch` random 512-token prompts, then times decode steps two ways: wall time per part of
+the model (timers around each module), and self time per op family (torch.profiler).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from hybridkv.cached_model import CachedModel
+
+# aten op -> family; anything else is "elementwise and other small ops".
+FAMILIES = {
+    "weight matmuls (mm, bmm)": ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm_"),
+    "expert weight / state / KV gathers": ("aten::index_select",),
+    "cache writes (state, KV)": ("aten::index_copy_",),
+    "attention (SDPA)": ("aten::_scaled_dot_product_flash_attention_for_cpu",),
+    "norms (rms_norm, l2)": ("aten::_fused_rms_norm", "aten::rms_norm", "aten::linalg_vecdot", "aten::rsqrt"),
+    "k-split sums, reductions": ("aten::sum",),
+    "copies, casts, concatenation": ("aten::copy_", "aten::cat", "aten::_to_copy", "aten::masked_fill_"),
+}
+
+
+def part_times(cm: CachedModel, step: Callable[[], object], steps: int) -> dict[str, float]:
+    """Mean ms per step spent in each kind of module (and outside them)."""
+    totals: dict[str, float] = defaultdict(float)
+    with _timers(cm.model, totals):
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        wall = time.perf_counter() - start
+    model = totals.pop("model")
+    inside = sum(totals.values())
+    parts = {name: 1e3 * t / steps for name, t in sorted(totals.items(), key=lambda kv: -kv[1])}
+    parts["embedding, final norm, lm_head"] = 1e3 * (model - inside) / steps
+    parts["cache bookkeeping and feed() outside the model"] = 1e3 * (wall - model) / steps
+    return parts
+
+
+@contextmanager
+def _timers(model: nn.Module, totals: dict[str, float]) -> Iterator[None]:
+    started: dict[int, float] = {}
+    handles = []
+
+    def watch(module: nn.Module, name: str) -> None:
+        def pre(mod: nn.Module, args: object) -> None:
+            started[id(mod)] = time.perf_counter()
+
+        def post(mod: nn.Module, args: object, out: object) -> None:
+            totals[name] += time.perf_counter() - started[id(mod)]
+
+        handles.extend([module.register_forward_pre_hook(pre), module.register_forward_hook(post)])
+
+    watch(model, "model")
+    for layer in model.layers:  # type: ignore[union-attr]
+        for attr in ("input_norm", "mixer", "post_norm", "ffn"):
+            module = getattr(layer, attr)
+            kind = "RMSNorm" if attr.endswith("norm") else type(module).__name__
+            watch(module, f"{kind} x{sum(1 for m in model.modules() if type(m) is type(module))}")
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def op_families(step: Callable[[], object], steps: int) -> dict[str, float]:
+    """Mean ms of profiler self time per step for each op family."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    family_of = {op: family for family, ops in FAMILIES.items() for op in ops}
+    out: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages():
+        out[family_of.get(event.key, "elementwise and other small ops")] += event.self_cpu_time_total / 1e3 / steps
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m hybridkv.bench.profile", description=__doc__)
+    parser.add_argument("--model", metavar="DIR", help="checkpoint directory (default: build the bench model)")
+    parser.add_argument("--batch", type=int, default=1, help="sequences decoding together (default 1)")
+    parser.add_argument("--steps", type=int, default=32, help="decode steps timed (default 32)")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="hybridkv-profile-") as tmp:
+        model_dir = Path(args.model) if args.model else None
+        if model_dir is None:
+            from hybridkv.bench.workload import build_checkpoint
+
+            model_dir = build_checkpoint(Path(tmp) / "model")
+        cm = CachedModel.load(model_dir)
+    gen = torch.Generator().manual_seed(0)
+    seqs = [cm.new_sequence() for _ in range(args.batch)]
+    cm.feed({s: torch.randint(0, cm.vocab_size, (512,), generator=gen).tolist() for s in seqs}, logits="last")
+
+    def step() -> None:
+        cm.feed({s: [int(torch.randint(0, cm.vocab_size, (1,), generator=gen))] for s in seqs}, logits="last")
+
+    for _ in range(4):
+        step()
+    for title, figures in (
+        ("by part of the model (wall ms per step)", part_times(cm, step, args.steps)),
+        ("by op family (profiler self ms per step)", op_families(step, args.steps)),
+    ):
+        total = sum(figures.values())
+        print(f"decode batch {args.batch}, {title}: {total:.2f} ms")
+        for name, ms in figures.items():
+            print(f"  {name:48s} {ms:6.2f}  {100 * ms / total:4.0f}%")
+
+
+if __name__ == "__main__":
+    main()

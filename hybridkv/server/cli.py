@@ -1,0 +1,72 @@
+"""`hybridkv serve [--host H] [--port P] [--max-queue N] [engine flags]`: the command line of the server."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+DEFAULT_MODEL_ID = "hybridkv-default"
+
+
+def add_parser(commands: Any) -> None:
+    """Register `serve` on the CLI's subparsers; uvicorn and the model load when it runs."""
+    from hybridkv.cli import add_engine_flags
+
+    serve = commands.add_parser(
+        "serve",
+        help="serve a model over HTTP (OpenAI- and Ollama-compatible APIs)",
+        description="Serve a model over HTTP: OpenAI-compatible /v1/completions, /v1/chat/completions and "
+        "/v1/models; Ollama-compatible /api/generate, /api/chat, /api/tags, /api/show, /api/ps, "
+        "/api/version; /health and /metrics (Prometheus).",
+    )
+    add_engine_flags(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    serve.add_argument(
+        "--max-queue", type=int, default=256, metavar="N", help="requests waiting at most; beyond, 429 (default 256)"
+    )
+    serve.add_argument(
+        "--model-id", metavar="NAME", help="the model's name in the APIs (default: the directory's name)"
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds streams may take to finish on shutdown before they are cancelled (default 5)",
+    )
+    serve.set_defaults(run=serve_command)
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    from hybridkv import cli
+
+    try:
+        llm, model_id = _checked(args)
+    except cli.UsageError as e:  # caught here too: under `python -m hybridkv.cli`, cli.main's class differs
+        print(f"hybridkv: error: {e}", file=sys.stderr)
+        return 2
+    from hybridkv.server.serve import serve
+
+    serve(llm, model_id, args.host, args.port, args.shutdown_timeout)
+    return 0
+
+
+def _checked(args: argparse.Namespace) -> tuple[Any, str]:
+    from hybridkv.cli import UsageError, llm_from_args
+
+    if not 0 <= args.port < 65536:
+        raise UsageError(f"--port must be in 0..65535, got {args.port}")
+    if args.max_queue < 1:
+        raise UsageError("--max-queue must be >= 1")
+    if args.shutdown_timeout < 0:
+        raise UsageError("--shutdown-timeout must be >= 0")
+    try:
+        socket.getaddrinfo(args.host, args.port)
+    except OSError as e:
+        raise UsageError(f"--host {args.host}: {e}") from None
+    model_id = args.model_id or (Path(args.model).resolve().name if args.model else DEFAULT_MODEL_ID)
+    return llm_from_args(args), model_id

@@ -1,0 +1,59 @@
+"""Running the app on uvicorn, with a shutdown that ends streams properly.
+
+Shutdown (Ctrl-C, SIGTERM): no new connections are accepted; streams in flight get `grace`
+seconds to finish, then their requests are cancelled so that each stream still ends with its
+final chunk (finish reason "abort" / done reason "cancelled"); then the engine stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import uvicorn
+
+from hybridkv.engine.llm import LLM
+from hybridkv.server.app import create_app
+
+log = logging.getLogger("hybridkv.server")
+
+
+class GracefulServer(uvicorn.Server):
+    """A uvicorn server that calls `cancel_all` `grace` seconds into its shutdown, before uvicorn
+    (5 s later) would cut the connections still open."""
+
+    def __init__(self, config: uvicorn.Config, cancel_all: Callable[[], None], grace: float) -> None:
+        super().__init__(config)
+        self.cancel_all = cancel_all
+        self.grace = grace
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        handle = asyncio.get_running_loop().call_later(self.grace, self._cancel)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            handle.cancel()
+
+    def _cancel(self) -> None:
+        log.warning("shutting down: cancelling the requests still running after %.1f s", self.grace)
+        self.cancel_all()
+
+
+def make_server(
+    llm: LLM, model_id: str, host: str, port: int, grace: float = 5.0, **uvicorn_options: Any
+) -> GracefulServer:
+    app = create_app(llm, model_id)
+    config = uvicorn.Config(
+        app, host=host, port=port, lifespan="on", timeout_graceful_shutdown=int(grace) + 5, **uvicorn_options
+    )
+    return GracefulServer(config, app.state.server.cancel_all, grace)
+
+
+def serve(llm: LLM, model_id: str, host: str, port: int, grace: float = 5.0) -> None:
+    """Serve until interrupted."""
+    print(f"hybridkv: serving {llm.model_dir} as model {model_id!r} on http://{host}:{port}", file=sys.stderr)
+    make_server(llm, model_id, host, port, grace).run()

@@ -1,0 +1,51 @@
+"""`hybridkv serve` as a user starts it: it answers on the port, names the model after its
+directory, and on Ctrl-C shuts down cleanly (status 130, as `run`)."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def test_serve_starts_answers_and_stops_on_ctrl_c(model_dir: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "hybridkv.cli", "serve", "--model", str(model_dir), "--port", str(port)]
+    command += ["--max-model-len", "256", "--max-num-seqs", "2", "--max-queue", "4", "--threads", "1"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None, process.communicate()[1]
+            assert time.monotonic() < deadline, "the server did not come up"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"]
+        assert [m["id"] for m in models] == [model_dir.name]
+        answer = httpx.post(
+            f"http://127.0.0.1:{port}/api/generate",
+            json={"model": f"{model_dir.name}:latest", "prompt": "hi", "stream": False, "options": {"num_predict": 3}},
+        )
+        assert answer.json()["eval_count"] == 3
+    finally:
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=30)
+    assert process.returncode == 130, stderr  # 128 + SIGINT, after a clean shutdown
+    assert "Traceback" not in stderr
+
+
+def test_bad_flags_exit_2_without_a_traceback(model_dir: Path) -> None:
+    command = [sys.executable, "-m", "hybridkv.cli", "serve", "--model", str(model_dir), "--max-queue", "0"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "--max-queue" in result.stderr and "Traceback" not in result.stderr
