@@ -362,14 +362,13 @@ def check_delta_rule_twin() -> None:
 
 @contextlib.contextmanager
 def differentiable_ops() -> Iterator[None]:
-    """Within: the model runs ops autograd can differentiate. The linear layers use the delta rule's
-    out-of-place twin, and the experts one matmul pair each (torch._grouped_mm has no CPU backward)."""
-    grouped_mm = qwen3_next.GROUPED_MM
-    qwen3_next.chunk_gated_delta_rule, qwen3_next.GROUPED_MM = differentiable_chunk_gated_delta_rule, False
+    """Within: the model runs ops autograd can differentiate (the linear layers use the delta
+    rule's out-of-place twin; the inference op updates its state in place)."""
+    qwen3_next.chunk_gated_delta_rule = differentiable_chunk_gated_delta_rule
     try:
         yield
     finally:
-        qwen3_next.chunk_gated_delta_rule, qwen3_next.GROUPED_MM = chunk_gated_delta_rule, grouped_mm
+        qwen3_next.chunk_gated_delta_rule = chunk_gated_delta_rule
 
 
 def initial_checkpoint(relayout: Relayout, config: ModelConfig) -> dict[str, torch.Tensor]:

@@ -12,8 +12,9 @@ import pytest
 import torch
 from rich.console import Console
 
-from hybridkv import bench, cli
+from hybridkv import CachedModel, bench, cli
 from hybridkv.bench.machine import Limits
+from hybridkv.bench.profile import op_families, part_times
 from hybridkv.bench.report import print_table, write_json
 from hybridkv.bench.workload import BENCH_MODEL, Chat, ChatLayout, Plan, build_checkpoint
 
@@ -63,9 +64,13 @@ LIMITS = Limits(threads=2, read_gb_s=30.0, matmul_gflop_s=100.0)  # fixed: no ti
 
 
 @pytest.fixture(scope="module")
-def document(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    model_dir = build_checkpoint(tmp_path_factory.mktemp("bench") / "model", TINY_MODEL)
-    return bench.run(model_dir, torch.float32, TINY_PLAN, log=lambda line: None, limits=LIMITS)
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_checkpoint(tmp_path_factory.mktemp("bench") / "model", TINY_MODEL)
+
+
+@pytest.fixture(scope="module")
+def document(tiny_dir: Path) -> dict[str, Any]:
+    return bench.run(tiny_dir, torch.float32, TINY_PLAN, log=lambda line: None, limits=LIMITS)
 
 
 def test_every_scenario_reports_both_engines_a_unit_and_a_ratio(document):
@@ -156,6 +161,20 @@ def test_without_transformers_the_command_says_what_to_install(monkeypatch, caps
 def test_a_missing_model_directory_is_a_usage_error(tmp_path, capsys):
     assert cli.main(["bench", "--model", str(tmp_path / "nowhere")]) == 2
     assert "no such directory" in capsys.readouterr().err
+
+
+def test_decode_profile_names_every_part_and_op_family(tiny_dir):
+    cm = CachedModel.load(tiny_dir)
+    seq = cm.new_sequence()
+    cm.feed({seq: [1, 2, 3]}, logits="last")
+
+    def step() -> None:
+        cm.feed({seq: [4]}, logits="last")
+
+    parts = part_times(cm, step, steps=2)
+    assert {"SparseMoE x4", "GatedDeltaNet x3", "GatedAttention x1", "layer RMSNorms x8"} <= parts.keys()
+    assert all(ms >= 0 for ms in parts.values())
+    assert op_families(step, steps=2)["weight matmuls (mm, bmm)"] > 0
 
 
 @pytest.mark.slow

@@ -72,12 +72,12 @@ def main(args: argparse.Namespace) -> int:
         log=lambda line: err.print(line, style="dim", highlight=False),
         quick=args.quick,
     )
+    if args.json is not None:  # first: a reader that closes the pipe early must not lose the figures
+        write_json(document, args.json)
     out = Console()
     if not out.is_terminal:  # a file or a pipe: don't squeeze the table into 80 columns
         out = Console(width=160)
     print_table(document, out)
-    if args.json is not None:
-        write_json(document, args.json)
     return 0
 
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from hybridkv.cached_model import CachedModel
+from hybridkv.models.qwen3_next import Qwen3NextModel
 
 # aten op -> family; anything else is "elementwise and other small ops".
 FAMILIES = {
@@ -51,7 +52,7 @@ def part_times(cm: CachedModel, step: Callable[[], object], steps: int) -> dict[
 
 
 @contextmanager
-def _timers(model: nn.Module, totals: dict[str, float]) -> Iterator[None]:
+def _timers(model: Qwen3NextModel, totals: dict[str, float]) -> Iterator[None]:
     started: dict[int, float] = {}
     handles = []
 
@@ -65,11 +66,12 @@ def _timers(model: nn.Module, totals: dict[str, float]) -> Iterator[None]:
         handles.extend([module.register_forward_pre_hook(pre), module.register_forward_hook(post)])
 
     watch(model, "model")
-    for layer in model.layers:  # type: ignore[union-attr]
-        for attr in ("input_norm", "mixer", "post_norm", "ffn"):
-            module = getattr(layer, attr)
-            kind = "RMSNorm" if attr.endswith("norm") else type(module).__name__
-            watch(module, f"{kind} x{sum(1 for m in model.modules() if type(m) is type(module))}")
+    parts = [
+        (attr, getattr(layer, attr)) for layer in model.layers for attr in ("input_norm", "mixer", "post_norm", "ffn")
+    ]
+    kinds = ["layer RMSNorms" if attr.endswith("norm") else type(module).__name__ for attr, module in parts]
+    for (_, module), kind in zip(parts, kinds, strict=True):
+        watch(module, f"{kind} x{kinds.count(kind)}")
     try:
         yield
     finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +23,13 @@ from hybridkv.bench.workload import Chat, Plan, random_ids
 from hybridkv.cached_model import CachedModel, LogitsMode
 
 RATE_UNITS = ("tok/s",)  # higher is better; every other unit is a time, lower is better
+
+
+def _peer_cache_arg() -> str:
+    # transformers 5.24 renamed the forward's `past_key_values` (and its output field) to `cache`.
+    from transformers import Qwen3NextForCausalLM
+
+    return "cache" if "cache" in inspect.signature(Qwen3NextForCausalLM.forward).parameters else "past_key_values"
 
 
 @dataclass(slots=True)
@@ -63,6 +71,10 @@ class Bench:
     limits: Limits
     weights: WeightCounts
     log: Callable[[str], None] = print
+    cache_arg: str = field(init=False)  # the forward's name for its cache: "cache" or "past_key_values"
+
+    def __post_init__(self) -> None:
+        self.cache_arg = _peer_cache_arg()
 
     @property
     def vocab(self) -> int:
@@ -71,7 +83,12 @@ class Bench:
     def peer_forward(self, ids: list[list[int]], cache: Any = None) -> Any:
         """One transformers forward over a [B, T] batch of ids, last-token logits; returns its output."""
         with torch.no_grad():
-            return self.peer(torch.tensor(ids), cache=cache, use_cache=True, logits_to_keep=1)
+            return self.peer(torch.tensor(ids), **{self.cache_arg: cache}, use_cache=True, logits_to_keep=1)
+
+    def peer_cache(self, ids: list[list[int]]) -> Any:
+        """transformers' cache after a forward over `ids`."""
+        out = self.peer_forward(ids)
+        return out.cache if self.cache_arg == "cache" else out.past_key_values
 
     def alternate(self, ours: Callable[[], float], theirs: Callable[[], float]) -> tuple[float, float]:
         """Median seconds of each (each call returns the seconds it timed), repetitions alternating."""
@@ -138,7 +155,7 @@ def decode(b: Bench, batch: int, peer_batch: int, name: str, target: float | Non
     seqs = [b.cm.new_sequence() for _ in range(batch)]
     try:
         b.cm.feed({s: prompts[i] for i, s in enumerate(seqs)}, logits="last")
-        cache = b.peer_forward(prompts[:peer_batch]).cache
+        cache = b.peer_cache(prompts[:peer_batch])
         ours, theirs = [], []
         for step in range(steps):
             feed = {s: [next_ids[i][step]] for i, s in enumerate(seqs)}
@@ -181,7 +198,7 @@ def chat(b: Bench, targets: dict[str, float]) -> list[Result]:
         for t in range(last):  # each turn: the prompt's new part, then the reply (fed whole: set-up only)
             feed_span(seq, conv.turn_starts[t], conv.reply_starts[t], "last")
             feed_span(seq, conv.reply_starts[t], conv.turn_starts[t + 1])
-        history = b.peer_forward([tokens[:turn_start]]).cache
+        history = b.peer_cache([tokens[:turn_start]])
 
         def ours_turn() -> float:
             elapsed = _timed(lambda: feed_span(seq, turn_start, prompt_end, "last"))
@@ -258,7 +275,7 @@ def fork(b: Bench, name: str) -> Result:
     seq = b.cm.new_sequence()
     try:
         b.cm.feed({seq: prompt}, logits="last")
-        cache = b.peer_forward([prompt]).cache
+        cache = b.peer_cache([prompt])
         extra: dict[str, int] = {}
 
         def ours() -> float:

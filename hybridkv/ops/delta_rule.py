@@ -68,8 +68,8 @@ def chunk_gated_delta_rule(
     k_beta = k_c * beta_c[..., None]
     # With A = I + strict_lower(diag(β) K Kᵀ ⊙ decay):  U = A⁻¹ diag(β) V,  W = A⁻¹ diag(β e^{g_cum}) K.
     ut_system = (k_beta @ k_c.transpose(-1, -2)) * decay
-    rhs = torch.cat([v_c * beta_c[..., None], k_beta * g_cum.exp()[..., None]], dim=-1)  # one solve for both
-    u_c, w_c = torch.linalg.solve_triangular(ut_system, rhs, upper=False, unitriangular=True).split([dv, dk], -1)
+    u_c = torch.linalg.solve_triangular(ut_system, v_c * beta_c[..., None], upper=False, unitriangular=True)
+    w_c = torch.linalg.solve_triangular(ut_system, k_beta * g_cum.exp()[..., None], upper=False, unitriangular=True)
     intra = (q_c @ k_c.transpose(-1, -2)) * decay  # [B, Hv, C, C], includes the diagonal
     q_decayed = q_c * g_cum.exp()[..., None]
     k_decayed_t = (k_c * (g_cum[..., -1:] - g_cum).exp()[..., None]).transpose(-1, -2)  # [B, Hv, dk, C]
