@@ -134,9 +134,8 @@ def parse_size(text: str) -> int:
 
 def llm_from_args(args: argparse.Namespace) -> LLM:
     """Build the LLM that `run` and `serve` drive, from the shared flags."""
-    from hybridkv import CacheConfig
     from hybridkv.engine.engine import EngineConfig
-    from hybridkv.engine.llm import LLM  # noqa: F811 (imported lazily: loading torch models is slow)
+    from hybridkv.engine.llm import LLM, default_cache_config  # noqa: F811 (lazy: torch loads slowly)
 
     for flag in ("max_model_len", "max_num_seqs", "threads"):
         value = getattr(args, flag)
@@ -152,11 +151,10 @@ def llm_from_args(args: argparse.Namespace) -> LLM:
         max_num_seqs=args.max_num_seqs, **({"max_queue": args.max_queue} if "max_queue" in args else {})
     )
     budget = parse_size(args.cache_memory) if args.cache_memory else None
-    cache = CacheConfig(
-        max_sequences=2 * args.max_num_seqs + 1,
+    cache = default_cache_config(
+        engine,
         max_model_len=args.max_model_len,
         snapshot_interval=args.snapshot_interval,
-        snapshots_per_sequence=16,
         kv_bytes=None if budget is None else budget * 7 // 10,
         snapshot_bytes=None if budget is None else budget * 3 // 10,
     )

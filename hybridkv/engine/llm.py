@@ -31,11 +31,11 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def default_cache_config(engine: EngineConfig, max_model_len: int = 4096) -> CacheConfig:
-    """Room for the running sequences plus as many again kept for prefix reuse."""
-    return CacheConfig(
-        max_sequences=2 * engine.max_num_seqs + 1, max_model_len=max_model_len, snapshots_per_sequence=16
-    )
+def default_cache_config(engine: EngineConfig, **settings: Any) -> CacheConfig:
+    """Room for the running sequences plus as many again kept for prefix reuse; `settings`
+    override any field."""
+    defaults: dict[str, Any] = {"max_sequences": 2 * engine.max_num_seqs + 1, "snapshots_per_sequence": 16}
+    return CacheConfig(**{**defaults, **settings})
 
 
 class LLM:

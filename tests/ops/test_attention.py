@@ -4,16 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from op_checks import assert_close
 
 from hybridkv.ops.attention import paged_attention
 from hybridkv.ops.naive import naive_paged_attention
-
-
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, rel: float = 1e-5) -> None:
-    assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    scale = max(1.0, expected.abs().max().item())
-    diff = (actual.float() - expected.float()).abs().max().item()
-    assert diff <= rel * scale, f"max abs diff {diff:.3g} > {rel:g} * {scale:.3g}"
 
 
 def paged_batch(q_lens, kv_lens, H, Hkv, hd, block_size, num_blocks=40, seed=0, dtype=torch.float32):
@@ -58,7 +52,7 @@ def test_matches_naive(q_lens, kv_lens, H, Hkv, block_size):
     q, k_pool, v_pool, tables, cu, kv, _, _ = paged_batch(q_lens, kv_lens, H, Hkv, hd, block_size)
     out = paged_attention(q, k_pool, v_pool, tables, cu, kv, hd**-0.5)
     assert torch.isfinite(out).all(), "read a block or row it does not own"
-    assert_close(out, naive_paged_attention(q, k_pool, v_pool, tables, cu, kv, hd**-0.5))
+    assert_close(out, naive_paged_attention(q, k_pool, v_pool, tables, cu, kv, hd**-0.5), dtype=None)
 
 
 @pytest.mark.parametrize("q_lens, kv_lens", CASES)
@@ -73,7 +67,7 @@ def test_matches_dense_causal_attention(q_lens, kv_lens):
         scores = torch.einsum("qhd,khd->hqk", q[cu[n] : cu[n + 1]], k) * 0.3
         visible = torch.arange(kv_len)[None, :] <= torch.arange(kv_len - q_len, kv_len)[:, None]
         probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-        assert_close(out[cu[n] : cu[n + 1]], torch.einsum("hqk,khd->qhd", probs, v))
+        assert_close(out[cu[n] : cu[n + 1]], torch.einsum("hqk,khd->qhd", probs, v), dtype=None)
 
 
 @pytest.mark.parametrize("q_lens, kv_lens", [([1, 1], [3, 10]), ([3, 2], [8, 2])])
@@ -82,4 +76,4 @@ def test_low_precision_returns_q_dtype(q_lens, kv_lens):
     out = paged_attention(q, k_pool, v_pool, tables, cu, kv, 8**-0.5)
     assert out.dtype == torch.bfloat16
     # both round a float32 result to bf16 once
-    assert_close(out, naive_paged_attention(q, k_pool, v_pool, tables, cu, kv, 8**-0.5), rel=1e-2)
+    assert_close(out, naive_paged_attention(q, k_pool, v_pool, tables, cu, kv, 8**-0.5), rel=1e-2, dtype=None)

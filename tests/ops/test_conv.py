@@ -5,21 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from op_checks import assert_close, cu_seqlens_of
 
 from hybridkv.ops.conv import causal_conv1d, causal_conv1d_step
 from hybridkv.ops.naive import naive_causal_conv1d, naive_causal_conv1d_step
-
-
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, rel: float = 1e-5) -> None:
-    assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    assert actual.dtype == torch.float32
-    scale = max(1.0, expected.abs().max().item()) if expected.numel() else 1.0
-    diff = (actual - expected).abs().max().item() if expected.numel() else 0.0
-    assert diff <= rel * scale, f"max abs diff {diff:.3g} > {rel:g} * {scale:.3g}"
-
-
-def cu_seqlens_of(lens: list[int]) -> torch.Tensor:
-    return torch.tensor([0, *lens]).cumsum(0)
 
 
 @pytest.mark.parametrize("K", [4, 2, 1])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from op_checks import assert_close, cu_seqlens_of
 from transformers.models.qwen3_next.modeling_qwen3_next import (
     torch_chunk_gated_delta_rule,
     torch_recurrent_gated_delta_rule,
@@ -12,14 +13,6 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
 
 from hybridkv.ops.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from hybridkv.ops.naive import naive_chunk_gated_delta_rule, naive_recurrent_gated_delta_rule
-
-
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, rel: float = 1e-5) -> None:
-    assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    assert actual.dtype == torch.float32
-    scale = max(1.0, expected.abs().max().item()) if expected.numel() else 1.0
-    diff = (actual - expected).abs().max().item() if expected.numel() else 0.0
-    assert diff <= rel * scale, f"max abs diff {diff:.3g} > {rel:g} * {scale:.3g}"
 
 
 def make_inputs(T: int, Hv: int, dk: int, dv: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -32,10 +25,6 @@ def make_inputs(T: int, Hv: int, dk: int, dv: int, seed: int = 0) -> dict[str, t
         "g": -F.softplus(torch.randn(T, Hv, generator=gen)),
         "beta": torch.rand(T, Hv, generator=gen),
     }
-
-
-def cu_seqlens_of(lens: list[int]) -> torch.Tensor:
-    return torch.tensor([0, *lens]).cumsum(0)
 
 
 CASES = [
