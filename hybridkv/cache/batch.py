@@ -77,9 +77,16 @@ class ForwardBatch:
 
     is_decode: bool = field(init=False)
     """Every sequence feeds exactly one token: the recurrent step forms apply."""
+    snapshot_of_token: torch.Tensor = field(init=False)
+    """[T] int64: the snapshot id receiving the state after each token, -1 for none (decode only:
+    empty otherwise, where a token may have more than one)."""
 
     def __post_init__(self) -> None:
         self.is_decode = all(n == 1 for n in self.q_lens)
+        self.snapshot_of_token = torch.empty(0, dtype=torch.int64)
+        if self.is_decode:
+            self.snapshot_of_token = torch.full((len(self.q_lens),), -1, dtype=torch.int64)
+            self.snapshot_of_token[self.snapshot_at] = self.snapshot_ids
 
     # -- attention layers -------------------------------------------------------------------
 
@@ -100,6 +107,12 @@ class ForwardBatch:
             self.tensors.conv[layer].index_select(0, self.state_slots),
             self.tensors.delta[layer].index_select(0, self.state_slots),
         )
+
+    def linear_pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The state pools of linear layer `layer`, for kernels that update `state_slots` in place:
+        conv, delta, snap_conv, snap_delta (see `CacheTensors`)."""
+        t = self.tensors
+        return t.conv[layer], t.delta[layer], t.snap_conv[layer], t.snap_delta[layer]
 
     def store_linear_state(
         self,

@@ -7,8 +7,9 @@ state [N, C, K-1] and one delta state [N, Hv, dk, dv] per sequence, float32
 
 Weights are rearranged once at load time (`checkpoint_layout`, the one place that knows
 checkpoint names) so the forward pass does a few large matmuls and plain splits. Projections are
-stored transposed, [in, out], and applied as `x @ W`: at decode batch sizes MKL runs that GEMM at
-up to twice the memory bandwidth of `F.linear`'s x @ Wᵀ, and decode is bandwidth-bound.
+stored transposed, [in, out], and applied as `x @ W` (`ops.matmul.mm`): at decode batch sizes that
+streams at up to twice the memory bandwidth of `F.linear`'s x @ Wᵀ, and decode is bandwidth-bound.
+A decode step of a linear layer runs as one C++ kernel after in_proj when `ops.native` is built.
 
     linear layer  in_proj  [D, q | k | v | z | b | a]  (the checkpoint groups qkvz and ba per key head)
     attention     qkv_proj [D, q | gate | k | v]        (the checkpoint interleaves q/gate per head)
@@ -28,10 +29,13 @@ from torch import nn
 from hybridkv.cache.batch import ForwardBatch
 from hybridkv.models.config import ModelConfig
 from hybridkv.models.weights import COMPUTE_DTYPES, Checkpoint, Layout, Piece, WriteFn, load_weights
+from hybridkv.ops import native
 from hybridkv.ops.attention import paged_attention
 from hybridkv.ops.conv import causal_conv1d, causal_conv1d_step
 from hybridkv.ops.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from hybridkv.ops.dtypes import f32
+from hybridkv.ops.matmul import mm, silu_mul, swiglu
+from hybridkv.ops.moe import routed_experts
 
 
 def _weight(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -41,30 +45,6 @@ def _weight(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(torch.linalg.vecdot(x, x)[..., None] + eps)
-
-
-# Up to this many rows a product x @ W only streams W from memory.
-FEW_ROWS = 32
-
-
-def _mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [T, D] @ w [D, N]. With few rows MKL streams w on one core; split D into one part per
-    thread instead, as one bmm (one batch per thread), and add the parts: ~1.5x the bandwidth."""
-    T, D = x.shape
-    parts = torch.get_num_threads()
-    if T > FEW_ROWS or parts == 1 or D % parts or w.dtype != torch.float32:  # (bf16 would round each part)
-        return x @ w
-    return torch.bmm(x.reshape(T, parts, D // parts).transpose(0, 1), w.view(parts, D // parts, -1)).sum(0)
-
-
-def _swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """gate_up [D, 2I] gate columns first, down [I, D] (transposed storage)."""
-    return _mm(_silu_mul(_mm(x, gate_up)), down)
-
-
-def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 class RMSNorm(nn.Module):
@@ -105,7 +85,14 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         T, Hk, Hv, dk, dv = x.shape[0], self.Hk, self.Hv, self.dk, self.dv
-        qkv, z, b, a = _mm(x, self.in_proj).split([self.C, Hv * dv, Hv, Hv], dim=-1)
+        mixed = mm(x, self.in_proj)
+        if batch.is_decode and native.enabled(mixed):
+            o = native.gdn_decode(
+                mixed, self.conv_weight, self.A_log, self.dt_bias, self.norm.weight, self.norm.eps, Hk, dk,
+                batch.linear_pools(self.index), batch.state_slots, batch.snapshot_of_token,
+            )  # fmt: skip
+            return mm(o.to(x.dtype), self.out_proj)
+        qkv, z, b, a = mixed.split([self.C, Hv * dv, Hv, Hv], dim=-1)
         conv_state, delta_state = batch.linear_state(self.index)
 
         if batch.is_decode:  # token n is sequence n: its snapshot is its new state
@@ -135,7 +122,7 @@ class GatedDeltaNet(nn.Module):
         batch.store_linear_state(self.index, conv_state, delta_state, conv_snaps, delta_snaps)
 
         o = self.norm(o) * F.silu(f32(z).reshape(T, Hv, dv))
-        return _mm(o.reshape(T, Hv * dv).to(x.dtype), self.out_proj)
+        return mm(o.reshape(T, Hv * dv).to(x.dtype), self.out_proj)
 
 
 class GatedAttention(nn.Module):
@@ -154,13 +141,13 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         T, H, Hkv, hd = x.shape[0], self.H, self.Hkv, self.hd
-        q, gate, k, v = _mm(x, self.qkv_proj).split([H * hd, H * hd, Hkv * hd, Hkv * hd], dim=-1)
+        q, gate, k, v = mm(x, self.qkv_proj).split([H * hd, H * hd, Hkv * hd, Hkv * hd], dim=-1)
         q = _rope(self.q_norm(q.reshape(T, H, hd)), cos, sin)
         k = _rope(self.k_norm(k.reshape(T, Hkv, hd)), cos, sin)
         batch.store_kv(self.index, k, v.reshape(T, Hkv, hd))
         k_pool, v_pool = batch.kv_pools(self.index)
         o = paged_attention(q, k_pool, v_pool, batch.block_tables, batch.cu_seqlens, batch.kv_lens, self.scale)
-        return _mm(o.reshape(T, H * hd) * torch.sigmoid(gate), self.o_proj)
+        return mm(o.reshape(T, H * hd) * torch.sigmoid(gate), self.o_proj)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -186,37 +173,14 @@ class SparseMoE(nn.Module):
         self.shared_down = _weight(Is, D, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        router, shared_gate, shared_gate_up = _mm(x, self.gate_in).split([self.E, 1, 2 * self.Is], dim=-1)
+        router, shared_gate, shared_gate_up = mm(x, self.gate_in).split([self.E, 1, 2 * self.Is], dim=-1)
         probs = F.softmax(router, dim=-1, dtype=torch.float32)
         weights, experts = probs.topk(self.top_k, dim=-1)  # [T, k]
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
-        routed = self._experts(x, experts, weights.to(x.dtype))
-        shared = _mm(_silu_mul(shared_gate_up), self.shared_down)
+        routed = routed_experts(x, experts, weights, self.gate_up, self.down)
+        shared = mm(silu_mul(shared_gate_up), self.shared_down)
         return routed + shared * torch.sigmoid(shared_gate)
-
-    def _experts(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 1:
-            # One token: copy its k experts' weights side by side (a copy streams on every thread), then
-            # one bmm per product; measured as fast as a k-split matmul pair per expert, in fewer ops.
-            ids = experts[0]
-            h = torch.bmm(x.expand(self.top_k, 1, x.shape[1]), self.gate_up.index_select(0, ids))
-            y = torch.bmm(_silu_mul(h), self.down.index_select(0, ids))  # [k, 1, D]
-            return weights @ y[:, 0]
-        # Sort the T·k (token, expert) pairs by expert, so each expert's rows are one contiguous run.
-        # One matmul pair per expert that has rows (torch._grouped_mm is slower on CPU: its per-group
-        # products run on one thread).
-        sorted_experts, order = experts.flatten().sort(stable=True)
-        token = order // self.top_k
-        xs = x.index_select(0, token)
-        ys = torch.empty_like(xs)
-        start = 0
-        for e, n in enumerate(torch.bincount(sorted_experts, minlength=self.E).tolist()):
-            if n:
-                ys[start : start + n] = _swiglu(xs[start : start + n], self.gate_up[e], self.down[e])
-                start += n
-        ys = ys * weights.flatten().index_select(0, order)[:, None]
-        return torch.zeros_like(x).index_add_(0, token, ys)
 
 
 class DenseMLP(nn.Module):
@@ -228,7 +192,7 @@ class DenseMLP(nn.Module):
         self.down = _weight(config.intermediate_size, config.hidden_size, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _swiglu(x, self.gate_up, self.down)
+        return swiglu(x, self.gate_up, self.down)
 
 
 class DecoderLayer(nn.Module):
@@ -295,7 +259,7 @@ class Qwen3NextModel(nn.Module):
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)
         x = self.norm(x)
-        logits = F.linear(x, self.embed) if self.lm_head is None else _mm(x, self.lm_head)
+        logits = F.linear(x, self.embed) if self.lm_head is None else mm(x, self.lm_head)
         return logits.float()
 
 

@@ -1,0 +1,345 @@
+// Decode-time CPU kernels: products with few rows that stream their weights at memory bandwidth.
+//
+// At decode a projection has T <= a few dozen rows, so x @ W is bound by reading W once. These
+// kernels hold a tile of R rows x 64 columns of the result in registers while W's rows stream by,
+// and split the columns over ATen's threads. Weights are [D, N] (transposed storage), float32 or
+// bfloat16; activations and results are float32. GCC vector extensions give AVX-512 or AVX2 code
+// from the same source (-march=native).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int LANES = 16;
+constexpr int TILE = 4 * LANES;  // columns per register tile
+constexpr int MAX_R = 6;         // rows per register tile: 6 x 4 accumulators
+
+typedef float vf __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline vf load(const at::BFloat16* p) {
+  vh h;
+  std::memcpy(&h, p, sizeof h);
+  return (vf)(__builtin_convertvector(h, vu) << 16);
+}
+
+inline float scalar(float v) { return v; }
+inline float scalar(at::BFloat16 v) { return static_cast<float>(v); }
+
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+// y[r, n0:n0+V*16] = sum_d x[r, d] * w[d, n0:...] for r < R. The next tile's columns of each row
+// are prefetched as this one is read, so the strided walk down W's rows does not wait on memory.
+template <int R, int V, typename W>
+inline void tile(const float* x, int64_t ldx, const W* w, int64_t ldw, float* y, int64_t ldy, int64_t D) {
+  vf acc[R][V] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    const W* wr = w + d * ldw;
+    vf wv[V];
+    for (int v = 0; v < V; ++v) wv[v] = load(wr + v * LANES);
+    for (int v = 0; v < V; ++v) __builtin_prefetch(wr + TILE + v * LANES, 0, 2);
+    for (int r = 0; r < R; ++r) {
+      const float xr = x[r * ldx + d];
+      for (int v = 0; v < V; ++v) acc[r][v] += xr * wv[v];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) store(y + r * ldy + v * LANES, acc[r][v]);
+}
+
+template <int V, typename W>
+inline void tile_rows(int R, const float* x, int64_t ldx, const W* w, int64_t ldw, float* y, int64_t ldy, int64_t D) {
+  switch (R) {
+    case 1: return tile<1, V>(x, ldx, w, ldw, y, ldy, D);
+    case 2: return tile<2, V>(x, ldx, w, ldw, y, ldy, D);
+    case 3: return tile<3, V>(x, ldx, w, ldw, y, ldy, D);
+    case 4: return tile<4, V>(x, ldx, w, ldw, y, ldy, D);
+    case 5: return tile<5, V>(x, ldx, w, ldw, y, ldy, D);
+    default: return tile<6, V>(x, ldx, w, ldw, y, ldy, D);
+  }
+}
+
+// Columns [n0, n1) of y[T, N] = x[T, D] @ w[D, N], every row of x.
+template <typename W>
+void columns(const float* x, int64_t T, int64_t D, const W* w, int64_t N, float* y, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + TILE <= n1; n += TILE)
+    for (int64_t r = 0; r < T; r += MAX_R)
+      tile_rows<4>(std::min<int64_t>(MAX_R, T - r), x + r * D, D, w + n, N, y + r * N + n, N, D);
+  for (; n + LANES <= n1; n += LANES)
+    for (int64_t r = 0; r < T; r += MAX_R)
+      tile_rows<1>(std::min<int64_t>(MAX_R, T - r), x + r * D, D, w + n, N, y + r * N + n, N, D);
+  for (; n < n1; ++n)  // fewer than 16 columns left
+    for (int64_t r = 0; r < T; ++r) {
+      float s = 0.f;
+      for (int64_t d = 0; d < D; ++d) s += x[r * D + d] * scalar(w[d * N + n]);
+      y[r * N + n] = s;
+    }
+}
+
+// Split [0, N) into chunks of whole tiles, one parallel_for over them (and over `groups` products).
+template <typename F>
+void parallel_columns(int64_t groups, int64_t N, F&& body) {
+  const int64_t chunks = (N + TILE - 1) / TILE;
+  at::parallel_for(0, groups * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end;) {
+      const int64_t g = i / chunks, c = i % chunks;
+      const int64_t c_end = std::min(end - g * chunks, chunks);  // contiguous run within group g
+      body(g, c * TILE, std::min(N, c_end * TILE));
+      i = g * chunks + c_end;
+    }
+  });
+}
+
+void check_weight(const at::Tensor& w, const char* name) {
+  TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16, got ", w.scalar_type());
+  TORCH_CHECK(w.is_contiguous(), name, " must be contiguous");
+}
+
+template <typename F>
+void with_weight_type(const at::Tensor& w, F&& f) {
+  if (w.scalar_type() == at::kFloat)
+    f(w.data_ptr<float>());
+  else
+    f(reinterpret_cast<const at::BFloat16*>(w.data_ptr<at::BFloat16>()));
+}
+
+at::Tensor rows_matmul(const at::Tensor& x_in, const at::Tensor& w) {
+  TORCH_CHECK(x_in.dim() == 2 && w.dim() == 2 && x_in.size(1) == w.size(0), "rows_matmul: x [T, D] @ w [D, N], got ",
+              x_in.sizes(), " and ", w.sizes());
+  check_weight(w, "rows_matmul weight");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t T = x.size(0), D = x.size(1), N = w.size(1);
+  at::Tensor y = at::empty({T, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  with_weight_type(w, [&](auto* wp) {
+    parallel_columns(1, N, [&](int64_t, int64_t n0, int64_t n1) { columns(xp, T, D, wp, N, yp, n0, n1); });
+  });
+  return y;
+}
+
+inline float silu(float v) { return v / (1.f + std::exp(-v)); }
+
+// Routed SwiGLU experts for a few tokens: out[t] = sum_j weights[t, j] * expert_{experts[t, j]}(x[t]).
+// Reads each chosen expert's weights once, in place (no gather), both products split over threads.
+at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& experts, const at::Tensor& weights_in,
+                       const at::Tensor& gate_up, const at::Tensor& down) {
+  TORCH_CHECK(x_in.dim() == 2, "moe_experts: x must be [T, D]");
+  TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3, "moe_experts: gate_up [E, D, 2I] and down [E, I, D]");
+  const int64_t T = x_in.size(0), D = x_in.size(1), E = gate_up.size(0), I2 = gate_up.size(2), I = I2 / 2;
+  TORCH_CHECK(gate_up.size(1) == D && down.size(0) == E && down.size(1) == I && down.size(2) == D,
+              "moe_experts: shapes do not match: x ", x_in.sizes(), ", gate_up ", gate_up.sizes(), ", down ",
+              down.sizes());
+  TORCH_CHECK(experts.dim() == 2 && experts.size(0) == T && weights_in.sizes() == experts.sizes(),
+              "moe_experts: experts and weights must both be [T, k]");
+  TORCH_CHECK(gate_up.scalar_type() == down.scalar_type(), "moe_experts: gate_up and down differ in dtype");
+  check_weight(gate_up, "moe_experts gate_up");
+  check_weight(down, "moe_experts down");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const at::Tensor ids = experts.to(at::kLong).contiguous();
+  const at::Tensor weights = weights_in.to(at::kFloat).contiguous();
+  const int64_t k = ids.size(1), P = T * k;
+  const int64_t* idp = ids.data_ptr<int64_t>();
+
+  // Counting sort of the T*k (token, expert) pairs by expert: expert e owns pairs start[e]:start[e+1].
+  std::vector<int64_t> start(E + 1, 0), token(P), pair_of(P);
+  for (int64_t p = 0; p < P; ++p) {
+    TORCH_CHECK(idp[p] >= 0 && idp[p] < E, "moe_experts: expert id ", idp[p], " out of range [0, ", E, ")");
+    ++start[idp[p] + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
+  std::vector<int64_t> fill(start.begin(), start.end() - 1);
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t s = fill[idp[p]]++;
+    token[s] = p / k;
+    pair_of[s] = p;
+  }
+  std::vector<int64_t> active;  // experts with rows
+  for (int64_t e = 0; e < E; ++e)
+    if (start[e + 1] > start[e]) active.push_back(e);
+  const int64_t A = static_cast<int64_t>(active.size());
+
+  at::Tensor xs = at::empty({P, D}, x.options()), h = at::empty({P, I2}, x.options());
+  at::Tensor act = at::empty({P, I}, x.options()), ys = at::empty({P, D}, x.options());
+  float *xsp = xs.data_ptr<float>(), *hp = h.data_ptr<float>(), *ap = act.data_ptr<float>(), *yp = ys.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  for (int64_t s = 0; s < P; ++s) std::memcpy(xsp + s * D, xp + token[s] * D, D * sizeof(float));
+
+  with_weight_type(gate_up, [&](auto* gup) {
+    using W = std::remove_cv_t<std::remove_pointer_t<decltype(gup)>>;
+    const W* dp = reinterpret_cast<const W*>(down.data_ptr());
+    parallel_columns(A, I2, [&](int64_t g, int64_t n0, int64_t n1) {
+      const int64_t e = active[g], s0 = start[e], rows = start[e + 1] - s0;
+      columns(xsp + s0 * D, rows, D, gup + e * D * I2, I2, hp + s0 * I2, n0, n1);
+    });
+    for (int64_t s = 0; s < P; ++s)
+      for (int64_t i = 0; i < I; ++i) ap[s * I + i] = silu(hp[s * I2 + i]) * hp[s * I2 + I + i];
+    parallel_columns(A, D, [&](int64_t g, int64_t n0, int64_t n1) {
+      const int64_t e = active[g], s0 = start[e], rows = start[e + 1] - s0;
+      columns(ap + s0 * I, rows, I, dp + e * I * D, D, yp + s0 * D, n0, n1);
+    });
+  });
+
+  at::Tensor out = at::zeros({T, D}, x.options());
+  float* op = out.data_ptr<float>();
+  const float* wp = weights.data_ptr<float>();
+  for (int64_t s = 0; s < P; ++s) {
+    const float wgt = wp[pair_of[s]];
+    float* o = op + token[s] * D;
+    const float* y = yp + s * D;
+    for (int64_t d = 0; d < D; ++d) o[d] += wgt * y[d];
+  }
+  return out;
+}
+
+
+inline float softplus(float v) { return v > 20.f ? v : std::log1p(std::exp(v)); }
+inline float sigmoid(float v) { return 1.f / (1.f + std::exp(-v)); }
+
+// One decode step of a Gated DeltaNet mixer for T sequences (token n is sequence n), after in_proj:
+// causal conv + SiLU, joint q|k L2 norm, gates, the delta rule, then RMSNorm(o) * silu(z).
+// The recurrent states are updated in place in the cache pools at `slots`, and copied into the
+// snapshot pools for the tokens that have a snapshot (snap_id[n] >= 0).
+//   mixed [T, C + Hv*dv + 2*Hv] = q|k|v (C) | z | b | a;  conv_weight [C, K];  A_log, dt_bias [Hv];
+//   norm_weight [dv];  conv_pool [slots, C, K-1];  delta_pool [slots, Hv, dk, dv] (float32).
+// Returns o [T, Hv*dv] float32.
+at::Tensor gdn_decode(const at::Tensor& mixed_in, const at::Tensor& conv_weight_in, const at::Tensor& A_log,
+                      const at::Tensor& dt_bias, const at::Tensor& norm_weight, double eps, int64_t Hk, int64_t dk,
+                      at::Tensor conv_pool, at::Tensor delta_pool, const at::Tensor& slots_in, at::Tensor snap_conv,
+                      at::Tensor snap_delta, const at::Tensor& snap_id_in) {
+  const int64_t T = mixed_in.size(0), Hv = A_log.size(0), dv = norm_weight.size(0);
+  const int64_t C = conv_weight_in.size(0), K = conv_weight_in.size(1), r = Hv / Hk;
+  TORCH_CHECK(mixed_in.dim() == 2 && mixed_in.size(1) == C + Hv * dv + 2 * Hv && C == 2 * Hk * dk + Hv * dv,
+              "gdn_decode: mixed ", mixed_in.sizes(), " does not match C=", C, " Hv=", Hv, " dv=", dv);
+  TORCH_CHECK(conv_pool.scalar_type() == at::kFloat && delta_pool.scalar_type() == at::kFloat &&
+                  snap_conv.scalar_type() == at::kFloat && snap_delta.scalar_type() == at::kFloat,
+              "gdn_decode: state pools must be float32");
+  TORCH_CHECK(conv_pool.is_contiguous() && delta_pool.is_contiguous() && snap_conv.is_contiguous() &&
+                  snap_delta.is_contiguous(),
+              "gdn_decode: state pools must be contiguous");
+  TORCH_CHECK(conv_pool.size(1) == C && conv_pool.size(2) == K - 1 && delta_pool.size(1) == Hv &&
+                  delta_pool.size(2) == dk && delta_pool.size(3) == dv,
+              "gdn_decode: pool shapes ", conv_pool.sizes(), " ", delta_pool.sizes(), " do not match the layer");
+  const at::Tensor mixed = mixed_in.to(at::kFloat).contiguous();
+  const at::Tensor conv_weight = conv_weight_in.to(at::kFloat).contiguous();
+  const at::Tensor slots = slots_in.to(at::kLong).contiguous(), snap_id = snap_id_in.to(at::kLong).contiguous();
+  TORCH_CHECK(slots.numel() == T && snap_id.numel() == T, "gdn_decode: slots and snap_id need one entry per token");
+  const at::Tensor a_log = A_log.to(at::kFloat).contiguous(), bias = dt_bias.to(at::kFloat).contiguous();
+  const at::Tensor nw = norm_weight.to(at::kFloat).contiguous();
+
+  const int64_t W = C + Hv * dv + 2 * Hv, Km1 = K - 1;
+  const float* mp = mixed.data_ptr<float>();
+  const float* cw = conv_weight.data_ptr<float>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t* sid = snap_id.data_ptr<int64_t>();
+  float *cp = conv_pool.data_ptr<float>(), *dp = delta_pool.data_ptr<float>();
+  float *scp = snap_conv.data_ptr<float>(), *sdp = snap_delta.data_ptr<float>();
+  for (int64_t n = 0; n < T; ++n) {
+    TORCH_CHECK(slot[n] >= 0 && slot[n] < conv_pool.size(0), "gdn_decode: slot ", slot[n], " out of range");
+    TORCH_CHECK(sid[n] < snap_conv.size(0), "gdn_decode: snapshot id ", sid[n], " out of range");
+  }
+
+  // Phase 1, per token: conv step (state updated in place), SiLU, L2 norm of each q and k head.
+  at::Tensor y = at::empty({T, C}, mixed.options());
+  float* yp = y.data_ptr<float>();
+  const float q_scale = 1.f / std::sqrt(static_cast<float>(dk));
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      float* state = cp + slot[n] * C * Km1;
+      const float* x = mp + n * W;
+      float* yn = yp + n * C;
+      for (int64_t c = 0; c < C; ++c) {
+        float* st = state + c * Km1;
+        const float* w = cw + c * K;
+        float acc = x[c] * w[Km1];
+        for (int64_t j = 0; j < Km1; ++j) acc += st[j] * w[j];
+        for (int64_t j = 0; j + 1 < Km1; ++j) st[j] = st[j + 1];
+        if (Km1 > 0) st[Km1 - 1] = x[c];
+        yn[c] = acc / (1.f + std::exp(-acc));
+      }
+      if (sid[n] >= 0) std::memcpy(scp + sid[n] * C * Km1, state, C * Km1 * sizeof(float));
+      for (int64_t head = 0; head < 2 * Hk; ++head) {
+        float* h = yn + head * dk;
+        float ss = 0.f;
+        for (int64_t i = 0; i < dk; ++i) ss += h[i] * h[i];
+        const float scale = (1.f / std::sqrt(ss + 1e-6f)) * (head < Hk ? q_scale : 1.f);
+        for (int64_t i = 0; i < dk; ++i) h[i] *= scale;
+      }
+    }
+  });
+
+  // Phase 2, per (token, value head): decay, delta-rule write, read-out, gated RMSNorm.
+  at::Tensor out = at::empty({T, Hv * dv}, mixed.options());
+  float* op = out.data_ptr<float>();
+  const float *alp = a_log.data_ptr<float>(), *bp = bias.data_ptr<float>(), *nwp = nw.data_ptr<float>();
+  at::parallel_for(0, T * Hv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> u(dv), o(dv);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n = item / Hv, h = item % Hv;
+      const float* x = mp + n * W;
+      const float* q = yp + n * C + (h / r) * dk;
+      const float* k = yp + n * C + (Hk + h / r) * dk;
+      const float* v = yp + n * C + 2 * Hk * dk + h * dv;
+      const float* z = x + C + h * dv;
+      const float beta = sigmoid(x[C + Hv * dv + h]);
+      const float decay = std::exp(-std::exp(alp[h]) * softplus(x[C + Hv * dv + Hv + h] + bp[h]));
+      float* S = dp + ((slot[n] * Hv) + h) * dk * dv;  // [dk, dv]
+      std::fill(u.begin(), u.end(), 0.f);
+      for (int64_t i = 0; i < dk; ++i) {  // S *= decay; u = S^T k
+        float* row = S + i * dv;
+        for (int64_t j = 0; j < dv; ++j) {
+          row[j] *= decay;
+          u[j] += k[i] * row[j];
+        }
+      }
+      for (int64_t j = 0; j < dv; ++j) u[j] = beta * (v[j] - u[j]);
+      std::fill(o.begin(), o.end(), 0.f);
+      for (int64_t i = 0; i < dk; ++i) {  // S += k u^T; o = S^T q
+        float* row = S + i * dv;
+        for (int64_t j = 0; j < dv; ++j) {
+          row[j] += k[i] * u[j];
+          o[j] += q[i] * row[j];
+        }
+      }
+      if (sid[n] >= 0) std::memcpy(sdp + ((sid[n] * Hv) + h) * dk * dv, S, dk * dv * sizeof(float));
+      float ss = 0.f;
+      for (int64_t j = 0; j < dv; ++j) ss += o[j] * o[j];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(dv) + static_cast<float>(eps));
+      float* on = op + n * Hv * dv + h * dv;
+      for (int64_t j = 0; j < dv; ++j) on[j] = o[j] * inv * nwp[j] * (z[j] / (1.f + std::exp(-z[j])));
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(hybridkv, m) {
+  m.def("rows_matmul(Tensor x, Tensor w) -> Tensor");
+  m.def("moe_experts(Tensor x, Tensor experts, Tensor weights, Tensor gate_up, Tensor down) -> Tensor");
+  m.def(
+      "gdn_decode(Tensor mixed, Tensor conv_weight, Tensor A_log, Tensor dt_bias, Tensor norm_weight, float eps, "
+      "int Hk, int dk, Tensor(a!) conv_pool, Tensor(b!) delta_pool, Tensor slots, Tensor(c!) snap_conv, "
+      "Tensor(d!) snap_delta, Tensor snap_id) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(hybridkv, CPU, m) {
+  m.impl("rows_matmul", rows_matmul);
+  m.impl("moe_experts", moe_experts);
+  m.impl("gdn_decode", gdn_decode);
+}

@@ -1,0 +1,45 @@
+"""Products with weights stored transposed, [in, out], chosen by how many rows they have.
+
+At decode batch sizes a product only streams its weight from memory, and how fast it streams
+depends on the method; prefill products are compute-bound and go to MKL as they are.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hybridkv.ops import native
+
+# Up to this many rows a product x @ W only streams W from memory.
+FEW_ROWS = 32
+
+
+def mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, D] @ w [D, N] → [T, N] in x's dtype.
+
+    One row: MKL streams w on one core, so split D into one part per thread as one bmm and add the
+    parts (~1.5x the bandwidth). 2..FEW_ROWS rows: the C++ kernel holds all rows of a column tile
+    in registers while w streams by once (1.3-2x MKL's time). More rows: MKL.
+    """
+    T, D = x.shape
+    if T > FEW_ROWS:
+        return x @ w
+    if T > 1 and native.enabled(x, w):
+        y = native.rows_matmul(x, w)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+    parts = torch.get_num_threads()
+    if parts == 1 or D % parts or w.dtype != torch.float32:  # (bf16 would round each part)
+        return x @ w
+    return torch.bmm(x.reshape(T, parts, D // parts).transpose(0, 1), w.view(parts, D // parts, -1)).sum(0)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) · up for gate_up [..., 2I] holding gate columns first."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """SwiGLU feed-forward with transposed weights: gate_up [D, 2I] gate columns first, down [I, D]."""
+    return mm(silu_mul(mm(x, gate_up)), down)

@@ -1,0 +1,137 @@
+"""The C++ decode kernels against their PyTorch twins, and the model through both paths against
+transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hf_reference import hf_logits, make_hf_model, max_rel_err, save_checkpoint
+from op_checks import assert_close
+
+from hybridkv import CacheConfig, CachedModel
+from hybridkv.ops import native
+from hybridkv.ops.conv import causal_conv1d_step
+from hybridkv.ops.delta_rule import recurrent_gated_delta_rule
+from hybridkv.ops.moe import routed_experts_grouped
+
+pytestmark = pytest.mark.skipif(native.kernels() is None, reason="C++ kernels could not be built here")
+
+
+@pytest.mark.parametrize("T", [1, 2, 5, 6, 7, 13, 32])
+@pytest.mark.parametrize(("D", "N"), [(64, 64), (48, 200), (37, 17), (512, 1552), (16, 5)])
+def test_rows_matmul_equals_matmul(T: int, D: int, N: int) -> None:
+    # N covers whole 64-column tiles, 16-column tails and single columns.
+    gen = torch.Generator().manual_seed(T * 1000 + N)
+    x, w = torch.randn(T, D, generator=gen), torch.randn(D, N, generator=gen)
+    assert_close(native.rows_matmul(x, w), x @ w, rel=1e-5 * D**0.5)
+
+
+def test_rows_matmul_bf16_weights_match_the_upcast_product() -> None:
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(3, 96, generator=gen), torch.randn(96, 150, generator=gen).bfloat16()
+    assert_close(native.rows_matmul(x, w), x @ w.float(), rel=1e-5 * 96**0.5)
+
+
+def test_rows_matmul_rejects_mismatched_shapes() -> None:
+    with pytest.raises(RuntimeError, match=r"x \[T, D\] @ w \[D, N\]"):
+        native.rows_matmul(torch.randn(2, 8), torch.randn(9, 4))
+
+
+@pytest.mark.parametrize("T", [1, 3, 16, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_experts_equals_grouped_pytorch(T: int, dtype: torch.dtype) -> None:
+    E, D, I, k = 8, 64, 40, 3
+    gen = torch.Generator().manual_seed(T)
+    x = torch.randn(T, D, generator=gen)
+    gate_up, down = (0.2 * torch.randn(E, D, 2 * I, generator=gen)).to(dtype), (0.2 * torch.randn(E, I, D)).to(dtype)
+    experts = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    weights = torch.rand(T, k, generator=gen).softmax(-1)
+    want = routed_experts_grouped(x, experts, weights, gate_up.float(), down.float())
+    assert_close(native.moe_experts(x, experts, weights, gate_up, down), want, rel=1e-5)
+
+
+def test_moe_experts_names_a_bad_expert_id() -> None:
+    gate_up, down = torch.randn(4, 8, 6), torch.randn(4, 3, 8)
+    with pytest.raises(RuntimeError, match="expert id 4 out of range"):
+        native.moe_experts(torch.randn(1, 8), torch.tensor([[4]]), torch.ones(1, 1), gate_up, down)
+
+
+def _gdn_decode_pytorch(mixed, conv_w, A_log, dt_bias, norm_w, eps, Hk, dk, conv, delta):  # type: ignore[no-untyped-def]
+    """GatedDeltaNet's decode step written with the PyTorch ops (the model's fallback path)."""
+    T, Hv, dv, C = mixed.shape[0], A_log.shape[0], norm_w.shape[0], conv_w.shape[0]
+    qkv, z, b, a = mixed.split([C, Hv * dv, Hv, Hv], dim=-1)
+    y, new_conv = causal_conv1d_step(qkv, conv_w, conv)
+    qk, v = y.split([2 * Hk * dk, Hv * dv], dim=-1)
+    qk = F.normalize(qk.reshape(T, 2 * Hk, dk), dim=-1, eps=0) * torch.tensor([dk**-0.5] * Hk + [1.0] * Hk)[:, None]
+    qk = qk.repeat_interleave(Hv // Hk, dim=1)
+    g = -A_log.exp() * F.softplus(a + dt_bias)
+    o, new_delta = recurrent_gated_delta_rule(qk[:, :Hv], qk[:, Hv:], v.reshape(T, Hv, dv), g, b.sigmoid(), delta)
+    o = F.rms_norm(o, (dv,), norm_w, eps) * F.silu(z.reshape(T, Hv, dv))
+    return o.reshape(T, Hv * dv), new_conv, new_delta
+
+
+@pytest.mark.parametrize(("Hk", "Hv", "dk", "dv", "T"), [(2, 4, 16, 8, 1), (1, 1, 8, 8, 3), (4, 8, 64, 64, 5)])
+def test_gdn_decode_equals_pytorch_step_and_updates_slots_and_snapshots(
+    Hk: int, Hv: int, dk: int, dv: int, T: int
+) -> None:
+    C, K, slots_total, snaps_total = 2 * Hk * dk + Hv * dv, 4, 7, 5
+    gen = torch.Generator().manual_seed(Hv * 10 + T)
+    mixed = torch.randn(T, C + Hv * dv + 2 * Hv, generator=gen)
+    conv_w, A_log, dt_bias = torch.randn(C, K, generator=gen), torch.randn(Hv, generator=gen), torch.randn(Hv)
+    norm_w = torch.rand(dv, generator=gen) + 0.5
+    conv_pool = torch.randn(slots_total, C, K - 1, generator=gen)
+    delta_pool = 0.3 * torch.randn(slots_total, Hv, dk, dv, generator=gen)
+    snap_conv, snap_delta = torch.zeros(snaps_total, C, K - 1), torch.zeros(snaps_total, Hv, dk, dv)
+    slots = torch.tensor([6, 0, 3, 2, 5][:T])
+    snapshot_of_token = torch.tensor([4, -1, 1, -1, 0][:T])
+    before_conv, before_delta = conv_pool.clone(), delta_pool.clone()
+
+    o, new_conv, new_delta = _gdn_decode_pytorch(
+        mixed, conv_w, A_log, dt_bias, norm_w, 1e-6, Hk, dk, conv_pool[slots], delta_pool[slots]
+    )
+    got = native.gdn_decode(
+        mixed, conv_w, A_log, dt_bias, norm_w, 1e-6, Hk, dk,
+        (conv_pool, delta_pool, snap_conv, snap_delta), slots, snapshot_of_token,
+    )  # fmt: skip
+
+    assert_close(got, o, rel=1e-5)
+    assert_close(conv_pool[slots], new_conv, rel=1e-6)
+    assert_close(delta_pool[slots], new_delta, rel=1e-5)
+    untouched = [s for s in range(slots_total) if s not in slots.tolist()]
+    assert torch.equal(conv_pool[untouched], before_conv[untouched])
+    assert torch.equal(delta_pool[untouched], before_delta[untouched])
+    took = snapshot_of_token >= 0
+    assert torch.equal(snap_conv[snapshot_of_token[took]], conv_pool[slots[took]])
+    assert torch.equal(snap_delta[snapshot_of_token[took]], delta_pool[slots[took]])
+    others = [s for s in range(snaps_total) if s not in snapshot_of_token.tolist()]
+    assert not snap_conv[others].any() and not snap_delta[others].any()
+
+
+@pytest.mark.parametrize("use_kernels", [True, False], ids=["kernels", "pytorch"])
+def test_decode_batches_and_snapshots_match_transformers_on_both_paths(
+    use_kernels: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not use_kernels:
+        monkeypatch.setenv(native.DISABLE_ENV, "0")
+    hf = make_hf_model(seed=5)
+    cm = CachedModel.load(
+        save_checkpoint(hf, tmp_path), cache=CacheConfig(snapshot_interval=2, max_model_len=64, block_size=4)
+    )
+    gen = torch.Generator().manual_seed(0)
+    seqs = [cm.new_sequence() for _ in range(3)]
+    cm.feed({s: torch.randint(0, 128, (5 + 3 * i,), generator=gen).tolist() for i, s in enumerate(seqs)})
+    for _ in range(6):  # batched decode steps, snapshots every 2 tokens
+        step = {s: [int(torch.randint(0, 128, (1,), generator=gen))] for s in seqs}
+        rows = cm.feed(step, logits="last")
+        for s in seqs:
+            assert max_rel_err(rows[s], hf_logits(hf, cm.tokens(s))[-1:]) <= 1e-4
+    seq = seqs[2]  # 11 prompt tokens, then 6 decoded
+    decoded_snapshots = [p for p in range(12, cm.length(seq)) if cm.restore_point(seq, p) == p]
+    assert decoded_snapshots, "decode steps wrote no snapshot"
+    assert cm.truncate(seq, decoded_snapshots[0]) == decoded_snapshots[0]  # restored, nothing recomputed
+    rows = cm.feed({seq: [7, 8, 9]}, logits="all")[seq]
+    assert max_rel_err(rows, hf_logits(hf, cm.tokens(seq))[-3:]) <= 1e-4
+    cm.cache.check_integrity()
