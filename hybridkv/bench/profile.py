@@ -25,11 +25,26 @@ from hybridkv.models.qwen3_next import Qwen3NextModel
 
 # aten op -> family; anything else is "elementwise and other small ops".
 FAMILIES = {
-    "weight matmuls (mm, bmm)": ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm_"),
+    "weight matmuls (rows_matmul, mm, bmm)": (
+        "hybridkv::rows_matmul",
+        "aten::mm",
+        "aten::bmm",
+        "aten::addmm",
+        "aten::baddbmm_",
+    ),
+    "MoE feed-forward (C++ moe_block: router, experts, shared)": ("hybridkv::moe_block",),
+    "linear-attention step (C++ gdn_decode)": ("hybridkv::gdn_decode",),
+    "attention step (C++ attention_decode)": ("hybridkv::attention_decode",),
     "expert weight / state / KV gathers": ("aten::index_select",),
     "cache writes (state, KV)": ("aten::index_copy_",),
     "attention (SDPA)": ("aten::_scaled_dot_product_flash_attention_for_cpu",),
-    "norms (rms_norm, l2)": ("aten::_fused_rms_norm", "aten::rms_norm", "aten::linalg_vecdot", "aten::rsqrt"),
+    "norms (rms_norm, l2)": (
+        "hybridkv::rms_norm",
+        "aten::_fused_rms_norm",
+        "aten::rms_norm",
+        "aten::linalg_vecdot",
+        "aten::rsqrt",
+    ),
     "k-split sums, reductions": ("aten::sum",),
     "copies, casts, concatenation": ("aten::copy_", "aten::cat", "aten::_to_copy", "aten::masked_fill_"),
 }

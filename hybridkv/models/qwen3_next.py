@@ -9,7 +9,8 @@ Weights are rearranged once at load time (`checkpoint_layout`, the one place tha
 checkpoint names) so the forward pass does a few large matmuls and plain splits. Projections are
 stored transposed, [in, out], and applied as `x @ W` (`ops.matmul.mm`): at decode batch sizes that
 streams at up to twice the memory bandwidth of `F.linear`'s x @ Wᵀ, and decode is bandwidth-bound.
-A decode step of a linear layer runs as one C++ kernel after in_proj when `ops.native` is built.
+A decode step of either mixer runs as one C++ kernel after its input projection when `ops.native`
+is built (`native.gdn_decode`, `native.attention_decode`).
 
     linear layer  in_proj  [D, q | k | v | z | b | a]  (the checkpoint groups qkvz and ba per key head)
     attention     qkv_proj [D, q | gate | k | v]        (the checkpoint interleaves q/gate per head)
@@ -34,8 +35,8 @@ from hybridkv.ops.attention import paged_attention
 from hybridkv.ops.conv import causal_conv1d, causal_conv1d_step
 from hybridkv.ops.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from hybridkv.ops.dtypes import f32
-from hybridkv.ops.matmul import mm, silu_mul, swiglu
-from hybridkv.ops.moe import routed_experts
+from hybridkv.ops.matmul import FEW_ROWS, mm, swiglu
+from hybridkv.ops.moe import moe_block
 
 
 def _weight(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -57,6 +58,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= FEW_ROWS and native.enabled(x):
+            return native.rms_norm(x, self.weight, self.eps)
         y = F.rms_norm(f32(x), self.weight.shape, self.weight, self.eps)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
@@ -141,7 +144,14 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         T, H, Hkv, hd = x.shape[0], self.H, self.Hkv, self.hd
-        q, gate, k, v = mm(x, self.qkv_proj).split([H * hd, H * hd, Hkv * hd, Hkv * hd], dim=-1)
+        qkv = mm(x, self.qkv_proj)
+        if batch.is_decode and native.enabled(qkv):
+            o = native.attention_decode(
+                qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin, batch.kv_pools(self.index),
+                batch.slot_mapping, batch.block_tables, batch.kv_lens, self.scale, H,
+            )  # fmt: skip
+            return mm(o.to(x.dtype), self.o_proj)
+        q, gate, k, v = qkv.split([H * hd, H * hd, Hkv * hd, Hkv * hd], dim=-1)
         q = _rope(self.q_norm(q.reshape(T, H, hd)), cos, sin)
         k = _rope(self.k_norm(k.reshape(T, Hkv, hd)), cos, sin)
         batch.store_kv(self.index, k, v.reshape(T, Hkv, hd))
@@ -173,14 +183,7 @@ class SparseMoE(nn.Module):
         self.shared_down = _weight(Is, D, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        router, shared_gate, shared_gate_up = mm(x, self.gate_in).split([self.E, 1, 2 * self.Is], dim=-1)
-        probs = F.softmax(router, dim=-1, dtype=torch.float32)
-        weights, experts = probs.topk(self.top_k, dim=-1)  # [T, k]
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(-1, keepdim=True)
-        routed = routed_experts(x, experts, weights, self.gate_up, self.down)
-        shared = mm(silu_mul(shared_gate_up), self.shared_down)
-        return routed + shared * torch.sigmoid(shared_gate)
+        return moe_block(x, self.gate_in, self.gate_up, self.down, self.shared_down, self.top_k, self.norm_topk_prob)
 
 
 class DenseMLP(nn.Module):

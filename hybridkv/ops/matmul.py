@@ -25,7 +25,7 @@ def mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     T, D = x.shape
     if T > FEW_ROWS:
         return x @ w
-    if T > 1 and native.enabled(x, w):
+    if native.enabled(x, w):
         y = native.rows_matmul(x, w)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
     parts = torch.get_num_threads()

@@ -1,42 +1,64 @@
-"""Routed mixture-of-experts feed-forward: each token through its top-k SwiGLU experts."""
+"""Sparse mixture-of-experts feed-forward: each token through its top-k routed SwiGLU experts, plus
+a sigmoid-gated shared expert."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from hybridkv.ops import native
-from hybridkv.ops.matmul import FEW_ROWS, silu_mul, swiglu
+from hybridkv.ops.matmul import FEW_ROWS, mm, silu_mul, swiglu
+
+
+def moe_block(
+    x: torch.Tensor,
+    gate_in: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    shared_down: torch.Tensor,
+    top_k: int,
+    norm_topk: bool,
+) -> torch.Tensor:
+    """The feed-forward of a sparse-MoE layer; [T, D] in x's dtype.
+
+    x [T, D]; gate_in [D, E | 1 | 2·Is]: router logits, shared-expert gate, shared gate_up (gate
+    columns first); gate_up [E, D, 2I]; down [E, I, D]; shared_down [Is, D]. The router's softmax
+    runs in float32; with norm_topk the chosen k probabilities are renormalised to sum to 1. Few
+    tokens (decode) run as one C++ kernel.
+    """
+    if x.shape[0] <= FEW_ROWS and native.enabled(x, gate_in, gate_up, down, shared_down):
+        y = native.moe_block(x, gate_in, gate_up, down, shared_down, top_k, norm_topk)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+    E, Is = gate_up.shape[0], shared_down.shape[0]
+    router, shared_gate, shared_gate_up = mm(x, gate_in).split([E, 1, 2 * Is], dim=-1)
+    probs = F.softmax(router, dim=-1, dtype=torch.float32)
+    weights, experts = probs.topk(top_k, dim=-1)  # [T, k]
+    if norm_topk:
+        weights = weights / weights.sum(-1, keepdim=True)
+    routed = routed_experts(x, experts, weights, gate_up, down)
+    shared = mm(silu_mul(shared_gate_up), shared_down)
+    return routed + shared * torch.sigmoid(shared_gate)
 
 
 def routed_experts(
     x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
 ) -> torch.Tensor:
-    """out[t] = Σ_j weights[t, j] · expert_{experts[t, j]}(x[t]).
+    """out[t] = Σ_j weights[t, j] · expert_{experts[t, j]}(x[t]); [T, D] in x's dtype.
 
     x [T, D]; experts [T, k] int64 in [0, E); weights [T, k]; gate_up [E, D, 2I] (gate columns
-    first), down [E, I, D]. Returns [T, D] in x's dtype. Few tokens go to the C++ kernel, which
-    reads each chosen expert once where it lies; the rest is grouped per expert for MKL.
+    first), down [E, I, D]. The (token, expert) pairs are sorted by expert and each expert runs one
+    SwiGLU over its contiguous run of rows (torch._grouped_mm is slower on CPU: its per-group
+    products run on one thread), then a weighted scatter-add brings them back to their tokens.
     """
-    if x.shape[0] <= FEW_ROWS and native.enabled(x, gate_up, down):
-        y = native.moe_experts(x, experts, weights, gate_up, down)
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
-    return routed_experts_grouped(x, experts, weights, gate_up, down)
-
-
-def routed_experts_grouped(
-    x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
-) -> torch.Tensor:
-    """`routed_experts` in PyTorch: the (token, expert) pairs sorted by expert, one SwiGLU per
-    expert over its contiguous run of rows (torch._grouped_mm is slower on CPU: its per-group
-    products run on one thread), then a weighted scatter-add back to the tokens."""
     top_k = experts.shape[1]
+    weights = weights.to(x.dtype)
     if x.shape[0] == 1:
         # One token: copy its k experts' weights side by side (a copy streams on every thread), then
         # one bmm per product; measured as fast as a k-split matmul pair per expert, in fewer ops.
         ids = experts[0]
         h = torch.bmm(x.expand(top_k, 1, x.shape[1]), gate_up.index_select(0, ids))
         y = torch.bmm(silu_mul(h), down.index_select(0, ids))  # [k, 1, D]
-        return weights.to(x.dtype) @ y[:, 0]
+        return weights @ y[:, 0]
     sorted_experts, order = experts.flatten().sort(stable=True)
     token = order // top_k
     xs = x.index_select(0, token)
@@ -46,5 +68,5 @@ def routed_experts_grouped(
         if n:
             ys[start : start + n] = swiglu(xs[start : start + n], gate_up[e], down[e])
             start += n
-    ys = ys * weights.to(x.dtype).flatten().index_select(0, order)[:, None]
+    ys = ys * weights.flatten().index_select(0, order)[:, None]
     return torch.zeros_like(x).index_add_(0, token, ys)

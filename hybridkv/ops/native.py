@@ -4,8 +4,10 @@ Each has a readable PyTorch twin that the model uses when the kernels are unavai
 compiler, `HYBRIDKV_NATIVE=0`) and that the tests compare it with:
 
     rows_matmul(x, w)            x @ w for a few rows (decode batches), w [D, N] float32 or bfloat16
-    moe_experts(x, ...)          hybridkv.ops.moe.routed_experts
+    rms_norm(x, w, eps)          F.rms_norm in float32
+    moe_block(x, ...)            hybridkv.ops.moe.moe_block's PyTorch path (router, experts, shared expert)
     gdn_decode(mixed, ...)       GatedDeltaNet's PyTorch decode step (conv, norms, gates, delta rule)
+    attention_decode(qkv, ...)   GatedAttention's PyTorch decode step (norms, RoPE, paged attention, gate)
 
 The build (~10 s; the system's g++, ninja from PyPI) is cached by torch.utils.cpp_extension under
 $TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), per source and per CPU feature set,
@@ -83,11 +85,24 @@ def rows_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return _ops().rows_matmul(x, w)
 
 
-def moe_experts(
-    x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) · weight over the last dim (float32 math), in x's dtype: `F.rms_norm` in one call
+    (on the CPU that is half a dozen ops)."""
+    return _ops().rms_norm(x, weight, eps)
+
+
+def moe_block(
+    x: torch.Tensor,
+    gate_in: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    shared_down: torch.Tensor,
+    top_k: int,
+    norm_topk: bool,
 ) -> torch.Tensor:
-    """Same contract as `hybridkv.ops.moe.routed_experts`; float32 result. For few tokens."""
-    return _ops().moe_experts(x, experts, weights, gate_up, down)
+    """`hybridkv.ops.moe.moe_block` for few tokens, float32 result: router, top-k, the chosen experts
+    read once in place (no gather), and the gated shared expert, all in one call."""
+    return _ops().moe_block(x, gate_in, gate_up, down, shared_down, top_k, norm_topk)
 
 
 def gdn_decode(
@@ -127,4 +142,32 @@ def gdn_decode(
         snap_conv,
         snap_delta,
         snapshot_of_token,
+    )
+
+
+def attention_decode(
+    qkv: torch.Tensor,
+    q_norm: torch.Tensor,
+    k_norm: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    pools: tuple[torch.Tensor, torch.Tensor],
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    kv_lens: torch.Tensor,
+    scale: float,
+    H: int,
+) -> torch.Tensor:
+    """One gated-attention decode step after qkv_proj, token n being sequence n.
+
+    qkv [T, (2H + 2Hkv)·hd] = q | gate | k | v; q_norm, k_norm [hd] (RMSNorm weights, float32);
+    cos, sin [T, rd]; pools = (k_pool, v_pool) [num_blocks, block_size, Hkv, hd] (float32 or
+    bfloat16). Writes each token's normalised, rotated key and its value at slot_mapping[n], then
+    attends over the sequence's kv_lens[n] positions through block_tables[n], in place.
+    Returns attention · sigmoid(gate) [T, H·hd] float32 (`paged_attention`'s decode case, gated).
+    """
+    k_pool, v_pool = pools
+    return _ops().attention_decode(
+        qkv, q_norm, k_norm, eps, cos, sin, k_pool, v_pool, slot_mapping, block_tables, kv_lens, scale, H
     )

@@ -12,10 +12,12 @@ from hf_reference import hf_logits, make_hf_model, max_rel_err, save_checkpoint
 from op_checks import assert_close
 
 from hybridkv import CacheConfig, CachedModel
+from hybridkv.models.qwen3_next import _rope
 from hybridkv.ops import native
+from hybridkv.ops.attention import paged_attention
 from hybridkv.ops.conv import causal_conv1d_step
 from hybridkv.ops.delta_rule import recurrent_gated_delta_rule
-from hybridkv.ops.moe import routed_experts_grouped
+from hybridkv.ops.moe import moe_block
 
 pytestmark = pytest.mark.skipif(native.kernels() is None, reason="C++ kernels could not be built here")
 
@@ -42,21 +44,31 @@ def test_rows_matmul_rejects_mismatched_shapes() -> None:
 
 @pytest.mark.parametrize("T", [1, 3, 16, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_moe_experts_equals_grouped_pytorch(T: int, dtype: torch.dtype) -> None:
-    E, D, I, k = 8, 64, 40, 3
+@pytest.mark.parametrize("norm_topk", [True, False])
+def test_moe_block_equals_pytorch_path(
+    T: int, dtype: torch.dtype, norm_topk: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    E, D, I, Is, k = 8, 64, 40, 24, 3
     gen = torch.Generator().manual_seed(T)
+
+    def weight(*shape: int) -> torch.Tensor:
+        return (0.2 * torch.randn(*shape, generator=gen)).to(dtype)
+
     x = torch.randn(T, D, generator=gen)
-    gate_up, down = (0.2 * torch.randn(E, D, 2 * I, generator=gen)).to(dtype), (0.2 * torch.randn(E, I, D)).to(dtype)
-    experts = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
-    weights = torch.rand(T, k, generator=gen).softmax(-1)
-    want = routed_experts_grouped(x, experts, weights, gate_up.float(), down.float())
-    assert_close(native.moe_experts(x, experts, weights, gate_up, down), want, rel=1e-5)
+    weights = (weight(D, E + 1 + 2 * Is), weight(E, D, 2 * I), weight(E, I, D), weight(Is, D))
+    got = native.moe_block(x, *weights, k, norm_topk)
+    monkeypatch.setenv(native.DISABLE_ENV, "0")
+    want = moe_block(x, *(w.float() for w in weights), k, norm_topk)
+    assert_close(got, want, rel=1e-5)
 
 
-def test_moe_experts_names_a_bad_expert_id() -> None:
-    gate_up, down = torch.randn(4, 8, 6), torch.randn(4, 3, 8)
-    with pytest.raises(RuntimeError, match="expert id 4 out of range"):
-        native.moe_experts(torch.randn(1, 8), torch.tensor([[4]]), torch.ones(1, 1), gate_up, down)
+def test_moe_block_names_what_does_not_match() -> None:
+    D, E, I, Is = 8, 4, 3, 2
+    gate_in, gate_up, down = torch.randn(D, E + 1 + 2 * Is), torch.randn(E, D, 2 * I), torch.randn(E, I, D)
+    with pytest.raises(RuntimeError, match="top_k 5 must be in 1..4"):
+        native.moe_block(torch.randn(1, D), gate_in, gate_up, down, torch.randn(Is, D), 5, True)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        native.moe_block(torch.randn(1, D), gate_in, gate_up, down[:, :2], torch.randn(Is, D), 2, True)
 
 
 def _gdn_decode_pytorch(mixed, conv_w, A_log, dt_bias, norm_w, eps, Hk, dk, conv, delta):  # type: ignore[no-untyped-def]
@@ -135,3 +147,47 @@ def test_decode_batches_and_snapshots_match_transformers_on_both_paths(
     rows = cm.feed({seq: [7, 8, 9]}, logits="all")[seq]
     assert max_rel_err(rows, hf_logits(hf, cm.tokens(seq))[-3:]) <= 1e-4
     cm.cache.check_integrity()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 64), (5, 37), (3, 4, 16)])
+def test_rms_norm_equals_torch(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    gen = torch.Generator().manual_seed(len(shape))
+    x, w = torch.randn(*shape, generator=gen).to(dtype), torch.rand(shape[-1], generator=gen) + 0.5
+    want = F.rms_norm(x.float(), (shape[-1],), w, 1e-6).to(dtype)
+    assert_close(native.rms_norm(x, w, 1e-6), want, rel=1e-5 if dtype == torch.float32 else 1e-2, dtype=dtype)
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("H", "Hkv", "hd", "rd"), [(4, 2, 16, 8), (8, 2, 64, 64), (2, 2, 24, 12)])
+def test_attention_decode_equals_pytorch_step(H: int, Hkv: int, hd: int, rd: int, pool_dtype: torch.dtype) -> None:
+    bs, num_blocks, kv_lens = 4, 12, [1, 6, 9]  # 1: the token attends only to itself
+    T = len(kv_lens)
+    gen = torch.Generator().manual_seed(H * hd)
+    qkv = torch.randn(T, (2 * H + 2 * Hkv) * hd, generator=gen)
+    q_norm, k_norm = torch.rand(hd, generator=gen) + 0.5, torch.rand(hd, generator=gen) + 0.5
+    angles = torch.rand(T, rd // 2, generator=gen) * 6
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    k_pool = torch.randn(num_blocks, bs, Hkv, hd, generator=gen).to(pool_dtype)
+    v_pool = torch.randn(num_blocks, bs, Hkv, hd, generator=gen).to(pool_dtype)
+    block_tables = torch.tensor([[5, 0, 0], [2, 7, 0], [11, 3, 8]])  # padding entries are never read
+    slot_mapping = torch.tensor([block_tables[n, (L - 1) // bs] * bs + (L - 1) % bs for n, L in enumerate(kv_lens)])
+    lens = torch.tensor(kv_lens)
+
+    # The PyTorch path: norms, RoPE, store, paged attention, gate.
+    q, gate, k, v = qkv.split([H * hd, H * hd, Hkv * hd, Hkv * hd], dim=-1)
+    q = _rope(F.rms_norm(q.reshape(T, H, hd), (hd,), q_norm, 1e-6), cos, sin)
+    k = _rope(F.rms_norm(k.reshape(T, Hkv, hd), (hd,), k_norm, 1e-6), cos, sin)
+    want_k, want_v = k_pool.clone(), v_pool.clone()
+    want_k.view(-1, Hkv, hd)[slot_mapping] = k.to(pool_dtype)
+    want_v.view(-1, Hkv, hd)[slot_mapping] = v.reshape(T, Hkv, hd).to(pool_dtype)
+    cu = torch.arange(T + 1)
+    o = paged_attention(q, want_k, want_v, block_tables, cu, lens, hd**-0.5)
+    want = o.reshape(T, H * hd) * torch.sigmoid(gate)
+
+    got = native.attention_decode(
+        qkv, q_norm, k_norm, 1e-6, cos, sin, (k_pool, v_pool), slot_mapping, block_tables, lens, hd**-0.5, H
+    )
+    assert_close(got, want, rel=1e-5 if pool_dtype == torch.float32 else 2e-2)
+    assert_close(k_pool, want_k, rel=1e-5 if pool_dtype == torch.float32 else 1e-2, dtype=pool_dtype)
+    assert torch.equal(v_pool, want_v)

@@ -9,9 +9,11 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -41,8 +43,9 @@ inline float scalar(at::BFloat16 v) { return static_cast<float>(v); }
 
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
-// y[r, n0:n0+V*16] = sum_d x[r, d] * w[d, n0:...] for r < R. The next tile's columns of each row
-// are prefetched as this one is read, so the strided walk down W's rows does not wait on memory.
+// y[r, n0:n0+V*16] = sum_d x[r, d] * w[d, n0:...] for r < R. With several rows, the next tile's
+// columns of each row are prefetched as this one is read, so the strided walk down W's rows does
+// not wait on memory.
 template <int R, int V, typename W>
 inline void tile(const float* x, int64_t ldx, const W* w, int64_t ldw, float* y, int64_t ldy, int64_t D) {
   vf acc[R][V] = {};
@@ -50,7 +53,8 @@ inline void tile(const float* x, int64_t ldx, const W* w, int64_t ldw, float* y,
     const W* wr = w + d * ldw;
     vf wv[V];
     for (int v = 0; v < V; ++v) wv[v] = load(wr + v * LANES);
-    for (int v = 0; v < V; ++v) __builtin_prefetch(wr + TILE + v * LANES, 0, 2);
+    if constexpr (R > 1)  // (one row: the hardware prefetcher alone streams faster, measured)
+      for (int v = 0; v < V; ++v) __builtin_prefetch(wr + TILE + v * LANES, 0, 3);
     for (int r = 0; r < R; ++r) {
       const float xr = x[r * ldx + d];
       for (int v = 0; v < V; ++v) acc[r][v] += xr * wv[v];
@@ -118,48 +122,47 @@ void with_weight_type(const at::Tensor& w, F&& f) {
     f(reinterpret_cast<const at::BFloat16*>(w.data_ptr<at::BFloat16>()));
 }
 
+// y[T, N] = x[T, D] @ w[D, N], columns split over threads.
+void matmul_into(const float* x, int64_t T, int64_t D, const at::Tensor& w, float* y) {
+  const int64_t N = w.size(1);
+  with_weight_type(w, [&](auto* wp) {
+    parallel_columns(1, N, [&](int64_t, int64_t n0, int64_t n1) { columns(x, T, D, wp, N, y, n0, n1); });
+  });
+}
+
 at::Tensor rows_matmul(const at::Tensor& x_in, const at::Tensor& w) {
   TORCH_CHECK(x_in.dim() == 2 && w.dim() == 2 && x_in.size(1) == w.size(0), "rows_matmul: x [T, D] @ w [D, N], got ",
               x_in.sizes(), " and ", w.sizes());
   check_weight(w, "rows_matmul weight");
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
-  const int64_t T = x.size(0), D = x.size(1), N = w.size(1);
-  at::Tensor y = at::empty({T, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  with_weight_type(w, [&](auto* wp) {
-    parallel_columns(1, N, [&](int64_t, int64_t n0, int64_t n1) { columns(xp, T, D, wp, N, yp, n0, n1); });
-  });
+  at::Tensor y = at::empty({x.size(0), w.size(1)}, x.options());
+  matmul_into(x.data_ptr<float>(), x.size(0), x.size(1), w, y.data_ptr<float>());
   return y;
 }
 
 inline float silu(float v) { return v / (1.f + std::exp(-v)); }
+inline float softplus(float v) { return v > 20.f ? v : std::log1p(std::exp(v)); }
+inline float sigmoid(float v) { return 1.f / (1.f + std::exp(-v)); }
 
-// Routed SwiGLU experts for a few tokens: out[t] = sum_j weights[t, j] * expert_{experts[t, j]}(x[t]).
-// Reads each chosen expert's weights once, in place (no gather), both products split over threads.
-at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& experts, const at::Tensor& weights_in,
-                       const at::Tensor& gate_up, const at::Tensor& down) {
-  TORCH_CHECK(x_in.dim() == 2, "moe_experts: x must be [T, D]");
-  TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3, "moe_experts: gate_up [E, D, 2I] and down [E, I, D]");
-  const int64_t T = x_in.size(0), D = x_in.size(1), E = gate_up.size(0), I2 = gate_up.size(2), I = I2 / 2;
+void check_experts(int64_t D, const at::Tensor& gate_up, const at::Tensor& down) {
+  TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3, "moe: gate_up [E, D, 2I] and down [E, I, D]");
+  const int64_t E = gate_up.size(0), I = gate_up.size(2) / 2;
   TORCH_CHECK(gate_up.size(1) == D && down.size(0) == E && down.size(1) == I && down.size(2) == D,
-              "moe_experts: shapes do not match: x ", x_in.sizes(), ", gate_up ", gate_up.sizes(), ", down ",
-              down.sizes());
-  TORCH_CHECK(experts.dim() == 2 && experts.size(0) == T && weights_in.sizes() == experts.sizes(),
-              "moe_experts: experts and weights must both be [T, k]");
-  TORCH_CHECK(gate_up.scalar_type() == down.scalar_type(), "moe_experts: gate_up and down differ in dtype");
-  check_weight(gate_up, "moe_experts gate_up");
-  check_weight(down, "moe_experts down");
-  const at::Tensor x = x_in.to(at::kFloat).contiguous();
-  const at::Tensor ids = experts.to(at::kLong).contiguous();
-  const at::Tensor weights = weights_in.to(at::kFloat).contiguous();
-  const int64_t k = ids.size(1), P = T * k;
-  const int64_t* idp = ids.data_ptr<int64_t>();
+              "moe: shapes do not match: D ", D, ", gate_up ", gate_up.sizes(), ", down ", down.sizes());
+  TORCH_CHECK(gate_up.scalar_type() == down.scalar_type(), "moe: gate_up and down differ in dtype");
+  check_weight(gate_up, "moe gate_up");
+  check_weight(down, "moe down");
+}
 
+// Routed SwiGLU experts for a few tokens: out[t] += sum_j wts[t, j] * expert_{ids[t, j]}(x[t]).
+// Reads each chosen expert's weights once, in place (no gather), both products split over threads.
+void routed_into(const float* xp, int64_t T, int64_t D, const int64_t* idp, const float* wp, int64_t k,
+                 const at::Tensor& gate_up, const at::Tensor& down, float* op) {
+  const int64_t E = gate_up.size(0), I2 = gate_up.size(2), I = I2 / 2, P = T * k;
   // Counting sort of the T*k (token, expert) pairs by expert: expert e owns pairs start[e]:start[e+1].
   std::vector<int64_t> start(E + 1, 0), token(P), pair_of(P);
   for (int64_t p = 0; p < P; ++p) {
-    TORCH_CHECK(idp[p] >= 0 && idp[p] < E, "moe_experts: expert id ", idp[p], " out of range [0, ", E, ")");
+    TORCH_CHECK(idp[p] >= 0 && idp[p] < E, "moe: expert id ", idp[p], " out of range [0, ", E, ")");
     ++start[idp[p] + 1];
   }
   for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
@@ -174,10 +177,8 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& experts, const 
     if (start[e + 1] > start[e]) active.push_back(e);
   const int64_t A = static_cast<int64_t>(active.size());
 
-  at::Tensor xs = at::empty({P, D}, x.options()), h = at::empty({P, I2}, x.options());
-  at::Tensor act = at::empty({P, I}, x.options()), ys = at::empty({P, D}, x.options());
-  float *xsp = xs.data_ptr<float>(), *hp = h.data_ptr<float>(), *ap = act.data_ptr<float>(), *yp = ys.data_ptr<float>();
-  const float* xp = x.data_ptr<float>();
+  std::vector<float> xs(P * D), h(P * I2), act(P * I), ys(P * D);
+  float *xsp = xs.data(), *hp = h.data(), *ap = act.data(), *yp = ys.data();
   for (int64_t s = 0; s < P; ++s) std::memcpy(xsp + s * D, xp + token[s] * D, D * sizeof(float));
 
   with_weight_type(gate_up, [&](auto* gup) {
@@ -194,22 +195,67 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& experts, const 
       columns(ap + s0 * I, rows, I, dp + e * I * D, D, yp + s0 * D, n0, n1);
     });
   });
-
-  at::Tensor out = at::zeros({T, D}, x.options());
-  float* op = out.data_ptr<float>();
-  const float* wp = weights.data_ptr<float>();
   for (int64_t s = 0; s < P; ++s) {
     const float wgt = wp[pair_of[s]];
     float* o = op + token[s] * D;
     const float* y = yp + s * D;
     for (int64_t d = 0; d < D; ++d) o[d] += wgt * y[d];
   }
+}
+
+// A whole sparse-MoE feed-forward for a few tokens:
+//   [router E | shared gate 1 | shared gate_up 2Is] = x @ gate_in;  probs = softmax(router);
+//   top_k experts (weights renormalised if norm_topk); out = routed + sigmoid(shared gate) *
+//   (silu(shared gate) * shared up) @ shared_down.
+// x [T, D]; gate_in [D, E + 1 + 2Is]; gate_up [E, D, 2I]; down [E, I, D]; shared_down [Is, D].
+at::Tensor moe_block(const at::Tensor& x_in, const at::Tensor& gate_in, const at::Tensor& gate_up,
+                     const at::Tensor& down, const at::Tensor& shared_down, int64_t top_k, bool norm_topk) {
+  TORCH_CHECK(x_in.dim() == 2, "moe_block: x must be [T, D]");
+  const int64_t T = x_in.size(0), D = x_in.size(1), E = gate_up.size(0);
+  check_experts(D, gate_up, down);
+  check_weight(gate_in, "moe_block gate_in");
+  check_weight(shared_down, "moe_block shared_down");
+  const int64_t Is = shared_down.size(0), G = E + 1 + 2 * Is;
+  TORCH_CHECK(gate_in.dim() == 2 && gate_in.size(0) == D && gate_in.size(1) == G && shared_down.size(1) == D,
+              "moe_block: gate_in ", gate_in.sizes(), " / shared_down ", shared_down.sizes(), " do not match");
+  TORCH_CHECK(top_k >= 1 && top_k <= E, "moe_block: top_k ", top_k, " must be in 1..", E);
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const float* xp = x.data_ptr<float>();
+  std::vector<float> r(T * G), act(T * Is), shared(T * D), wts(T * top_k);
+  std::vector<int64_t> ids(T * top_k);
+  matmul_into(xp, T, D, gate_in, r.data());
+  for (int64_t t = 0; t < T; ++t) {
+    const float* logits = r.data() + t * G;
+    float mx = logits[0];
+    for (int64_t e = 1; e < E; ++e) mx = std::max(mx, logits[e]);
+    std::vector<float> probs(E);
+    float sum = 0.f;
+    for (int64_t e = 0; e < E; ++e) sum += (probs[e] = std::exp(logits[e] - mx));
+    for (int64_t e = 0; e < E; ++e) probs[e] /= sum;
+    std::vector<int64_t> order(E);
+    for (int64_t e = 0; e < E; ++e) order[e] = e;
+    std::partial_sort(order.begin(), order.begin() + top_k, order.end(),
+                      [&](int64_t a, int64_t b) { return probs[a] > probs[b] || (probs[a] == probs[b] && a < b); });
+    float chosen = 0.f;
+    for (int64_t j = 0; j < top_k; ++j) chosen += probs[order[j]];
+    for (int64_t j = 0; j < top_k; ++j) {
+      ids[t * top_k + j] = order[j];
+      wts[t * top_k + j] = norm_topk ? probs[order[j]] / chosen : probs[order[j]];
+    }
+    const float* sg = logits + E + 1;
+    for (int64_t i = 0; i < Is; ++i) act[t * Is + i] = silu(sg[i]) * sg[Is + i];
+  }
+  matmul_into(act.data(), T, Is, shared_down, shared.data());
+  at::Tensor out = at::empty({T, D}, x.options());
+  float* op = out.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    const float gate = sigmoid(r[t * G + E]);
+    for (int64_t d = 0; d < D; ++d) op[t * D + d] = gate * shared[t * D + d];
+  }
+  routed_into(xp, T, D, ids.data(), wts.data(), top_k, gate_up, down, op);
   return out;
 }
 
-
-inline float softplus(float v) { return v > 20.f ? v : std::log1p(std::exp(v)); }
-inline float sigmoid(float v) { return 1.f / (1.f + std::exp(-v)); }
 
 // One decode step of a Gated DeltaNet mixer for T sequences (token n is sequence n), after in_proj:
 // causal conv + SiLU, joint q|k L2 norm, gates, the delta rule, then RMSNorm(o) * silu(z).
@@ -327,19 +373,211 @@ at::Tensor gdn_decode(const at::Tensor& mixed_in, const at::Tensor& conv_weight_
   return out;
 }
 
+
+// Sum of x[i] * y[i] for i < n, 16 lanes at a time.
+inline float dot(const float* x, const float* y, int64_t n) {
+  vf acc = {};
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES) acc += load(x + i) * load(y + i);
+  float s = 0.f;
+  for (int l = 0; l < LANES; ++l) s += acc[l];
+  for (; i < n; ++i) s += x[i] * y[i];
+  return s;
+}
+
+inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void to_float(const at::BFloat16* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+inline void from_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void from_float(const float* src, at::BFloat16* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = at::BFloat16(src[i]);
+}
+
+// In place on one head x[hd]: RMSNorm with weight w, then rotate-half RoPE on the first rd dims.
+inline void norm_rope(float* x, const float* w, float eps, const float* cos, const float* sin, int64_t hd,
+                      int64_t rd) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < hd; ++i) ss += x[i] * x[i];
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(hd) + eps);
+  for (int64_t i = 0; i < hd; ++i) x[i] = x[i] * inv * w[i];
+  const int64_t half = rd / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = x[i], b = x[i + half];
+    x[i] = a * cos[i] - b * sin[i];
+    x[i + half] = b * cos[i + half] + a * sin[i + half];
+  }
+}
+
+// One decode step of gated attention after qkv_proj, token n being sequence n:
+// q/k RMSNorm + RoPE, this token's K/V written into the paged pools at slot_mapping[n], attention
+// of its H query heads over the sequence's kv_lens[n] positions read in place through its block
+// table (no gather), output gated by sigmoid(gate).
+//   qkv [T, (2H + 2Hkv) * hd] = q | gate | k | v;  cos, sin [T, rd];  pools [blocks, bs, Hkv, hd].
+// Returns [T, H * hd] float32.
+template <typename KV>
+at::Tensor attention_decode_impl(const at::Tensor& qkv, const at::Tensor& q_norm, const at::Tensor& k_norm, double eps,
+                                 const at::Tensor& cos_t, const at::Tensor& sin_t, KV* kp, KV* vp, int64_t pool_rows,
+                                 int64_t bs, int64_t Hkv, int64_t hd, const at::Tensor& slot_mapping,
+                                 const at::Tensor& block_tables, const at::Tensor& kv_lens, double scale, int64_t H) {
+  const int64_t T = qkv.size(0), rd = cos_t.size(1), group = H / Hkv, width = qkv.size(1);
+  const int64_t max_blocks = block_tables.size(1);
+  const float* in = qkv.data_ptr<float>();
+  const float *qw = q_norm.data_ptr<float>(), *kw = k_norm.data_ptr<float>();
+  const float *cp = cos_t.data_ptr<float>(), *sp = sin_t.data_ptr<float>();
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  const int64_t* table = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = kv_lens.data_ptr<int64_t>();
+  for (int64_t n = 0; n < T; ++n) {
+    TORCH_CHECK(slot[n] >= 0 && slot[n] < pool_rows, "attention_decode: slot ", slot[n], " out of range");
+    TORCH_CHECK(lens[n] >= 1 && lens[n] <= max_blocks * bs, "attention_decode: kv_len ", lens[n],
+                " does not fit the block table");
+    for (int64_t b = 0; b < (lens[n] + bs - 1) / bs; ++b)
+      TORCH_CHECK(table[n * max_blocks + b] >= 0 && table[n * max_blocks + b] * bs < pool_rows,
+                  "attention_decode: block id out of range");
+  }
+  at::Tensor q = at::empty({T, H, hd}, qkv.options());
+  float* qp = q.data_ptr<float>();
+  // Phase 1, per token: normalised, rotated queries; this token's key and value into the pools.
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> k(hd);
+    for (int64_t n = begin; n < end; ++n) {
+      const float* row = in + n * width;
+      for (int64_t h = 0; h < H; ++h) {
+        float* qh = qp + (n * H + h) * hd;
+        std::memcpy(qh, row + h * hd, hd * sizeof(float));
+        norm_rope(qh, qw, static_cast<float>(eps), cp + n * rd, sp + n * rd, hd, rd);
+      }
+      for (int64_t h = 0; h < Hkv; ++h) {
+        std::memcpy(k.data(), row + 2 * H * hd + h * hd, hd * sizeof(float));
+        norm_rope(k.data(), kw, static_cast<float>(eps), cp + n * rd, sp + n * rd, hd, rd);
+        from_float(k.data(), kp + (slot[n] * Hkv + h) * hd, hd);
+        from_float(row + (2 * H + Hkv) * hd + h * hd, vp + (slot[n] * Hkv + h) * hd, hd);
+      }
+    }
+  });
+  // Phase 2, per (token, kv head): scores of its `group` query heads, softmax, weighted values.
+  at::Tensor out = at::empty({T, H * hd}, qkv.options());
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, T * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, kv(hd), acc(group * hd);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n = item / Hkv, g = item % Hkv, L = lens[n];
+      const int64_t* blocks = table + n * max_blocks;
+      scores.resize(group * L);
+      const float* qg = qp + (n * H + g * group) * hd;
+      for (int64_t p = 0; p < L; ++p) {
+        const KV* kr = kp + ((blocks[p / bs] * bs + p % bs) * Hkv + g) * hd;
+        const float* k;
+        if constexpr (std::is_same_v<KV, float>) {
+          k = kr;
+        } else {
+          to_float(kr, kv.data(), hd);
+          k = kv.data();
+        }
+        for (int64_t j = 0; j < group; ++j) scores[j * L + p] = sc * dot(qg + j * hd, k, hd);
+      }
+      for (int64_t j = 0; j < group; ++j) {
+        float* s = scores.data() + j * L;
+        float mx = s[0];
+        for (int64_t p = 1; p < L; ++p) mx = std::max(mx, s[p]);
+        float sum = 0.f;
+        for (int64_t p = 0; p < L; ++p) sum += (s[p] = std::exp(s[p] - mx));
+        for (int64_t p = 0; p < L; ++p) s[p] /= sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t p = 0; p < L; ++p) {
+        const KV* vr = vp + ((blocks[p / bs] * bs + p % bs) * Hkv + g) * hd;
+        to_float(vr, kv.data(), hd);
+        for (int64_t j = 0; j < group; ++j) {
+          const float w = scores[j * L + p];
+          float* a = acc.data() + j * hd;
+          for (int64_t i = 0; i < hd; ++i) a[i] += w * kv[i];
+        }
+      }
+      for (int64_t j = 0; j < group; ++j) {
+        const int64_t h = g * group + j;
+        const float* gate = in + n * width + H * hd + h * hd;
+        float* o = op + n * H * hd + h * hd;
+        for (int64_t i = 0; i < hd; ++i) o[i] = acc[j * hd + i] / (1.f + std::exp(-gate[i]));
+      }
+    }
+  });
+  return out;
+}
+
+at::Tensor attention_decode(const at::Tensor& qkv_in, const at::Tensor& q_norm, const at::Tensor& k_norm, double eps,
+                            const at::Tensor& cos_in, const at::Tensor& sin_in, at::Tensor k_pool, at::Tensor v_pool,
+                            const at::Tensor& slot_mapping_in, const at::Tensor& block_tables_in,
+                            const at::Tensor& kv_lens_in, double scale, int64_t H) {
+  TORCH_CHECK(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes() && k_pool.is_contiguous() && v_pool.is_contiguous(),
+              "attention_decode: k_pool and v_pool must be contiguous [blocks, block_size, Hkv, hd]");
+  TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type() &&
+                  (k_pool.scalar_type() == at::kFloat || k_pool.scalar_type() == at::kBFloat16),
+              "attention_decode: pools must both be float32 or both bfloat16");
+  const int64_t bs = k_pool.size(1), Hkv = k_pool.size(2), hd = k_pool.size(3), T = qkv_in.size(0);
+  TORCH_CHECK(H % Hkv == 0 && qkv_in.dim() == 2 && qkv_in.size(1) == (2 * H + 2 * Hkv) * hd,
+              "attention_decode: qkv ", qkv_in.sizes(), " does not match H=", H, " Hkv=", Hkv, " hd=", hd);
+  TORCH_CHECK(q_norm.numel() == hd && k_norm.numel() == hd, "attention_decode: norm weights must be [hd]");
+  TORCH_CHECK(cos_in.dim() == 2 && cos_in.size(0) == T && cos_in.sizes() == sin_in.sizes() && cos_in.size(1) <= hd,
+              "attention_decode: cos and sin must be [T, rd] with rd <= hd");
+  TORCH_CHECK(slot_mapping_in.numel() == T && kv_lens_in.numel() == T && block_tables_in.dim() == 2 &&
+                  block_tables_in.size(0) == T,
+              "attention_decode: slot_mapping, kv_lens and block_tables need one entry per token");
+  const at::Tensor qkv = qkv_in.to(at::kFloat).contiguous();
+  const at::Tensor qn = q_norm.to(at::kFloat).contiguous(), kn = k_norm.to(at::kFloat).contiguous();
+  const at::Tensor cos_t = cos_in.to(at::kFloat).contiguous(), sin_t = sin_in.to(at::kFloat).contiguous();
+  const at::Tensor slots = slot_mapping_in.to(at::kLong).contiguous();
+  const at::Tensor tables = block_tables_in.to(at::kLong).contiguous(), lens = kv_lens_in.to(at::kLong).contiguous();
+  const int64_t rows = k_pool.size(0) * bs;
+  if (k_pool.scalar_type() == at::kFloat)
+    return attention_decode_impl(qkv, qn, kn, eps, cos_t, sin_t, k_pool.data_ptr<float>(), v_pool.data_ptr<float>(),
+                                 rows, bs, Hkv, hd, slots, tables, lens, scale, H);
+  return attention_decode_impl(qkv, qn, kn, eps, cos_t, sin_t, k_pool.data_ptr<at::BFloat16>(),
+                               v_pool.data_ptr<at::BFloat16>(), rows, bs, Hkv, hd, slots, tables, lens, scale, H);
+}
+
+
+// x / rms(x) * weight over the last dim, in float32; the result in x's dtype (float32 or bfloat16).
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double eps) {
+  const int64_t D = weight_in.numel();
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == D, "rms_norm: x ", x_in.sizes(), " does not end in ", D);
+  const at::Tensor x = x_in.to(at::kFloat).contiguous(), w = weight_in.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty_like(x);
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t rows = x.numel() / std::max<int64_t>(D, 1);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = xp + r * D;
+    const float inv = 1.f / std::sqrt(dot(xr, xr, D) / static_cast<float>(D) + static_cast<float>(eps));
+    for (int64_t i = 0; i < D; ++i) yp[r * D + i] = xr[i] * inv * wp[i];
+  }
+  return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
+}
+
 }  // namespace
 
 TORCH_LIBRARY(hybridkv, m) {
   m.def("rows_matmul(Tensor x, Tensor w) -> Tensor");
-  m.def("moe_experts(Tensor x, Tensor experts, Tensor weights, Tensor gate_up, Tensor down) -> Tensor");
+  m.def(
+      "moe_block(Tensor x, Tensor gate_in, Tensor gate_up, Tensor down, Tensor shared_down, int top_k, "
+      "bool norm_topk) -> Tensor");
   m.def(
       "gdn_decode(Tensor mixed, Tensor conv_weight, Tensor A_log, Tensor dt_bias, Tensor norm_weight, float eps, "
       "int Hk, int dk, Tensor(a!) conv_pool, Tensor(b!) delta_pool, Tensor slots, Tensor(c!) snap_conv, "
       "Tensor(d!) snap_delta, Tensor snap_id) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def(
+      "attention_decode(Tensor qkv, Tensor q_norm, Tensor k_norm, float eps, Tensor cos, Tensor sin, "
+      "Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slot_mapping, Tensor block_tables, Tensor kv_lens, "
+      "float scale, int H) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hybridkv, CPU, m) {
   m.impl("rows_matmul", rows_matmul);
-  m.impl("moe_experts", moe_experts);
+  m.impl("moe_block", moe_block);
   m.impl("gdn_decode", gdn_decode);
+  m.impl("rms_norm", rms_norm);
+  m.impl("attention_decode", attention_decode);
 }
