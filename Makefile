@@ -30,7 +30,9 @@ lint: venv
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# The C++ decode kernels are built here (cached per source and CPU), so a failed build fails the tests.
 test: lint
+	$(BIN)/python -c 'import sys; from hybridkv.ops import native; sys.exit(native.main())'
 	$(BIN)/pytest -q
 
 run: venv

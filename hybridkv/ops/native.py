@@ -46,6 +46,7 @@ def _cpu_tag() -> str:
 @functools.cache
 def kernels() -> Any | None:
     """`torch.ops.hybridkv` once built and loaded, or None (the build failed: logged once)."""
+    log.info("building or loading the C++ kernels (%s)", SOURCE.name)
     try:
         import ninja  # the PyPI package: its binary may not be on PATH when the venv is not activated
         from torch.utils import cpp_extension
@@ -171,3 +172,15 @@ def attention_decode(
     return _ops().attention_decode(
         qkv, q_norm, k_norm, eps, cos, sin, k_pool, v_pool, slot_mapping, block_tables, kv_lens, scale, H
     )
+
+
+def main() -> int:
+    """Build (or find) the kernels now; 1 if they cannot be built (`make test` runs this first)."""
+    import time
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    start = time.perf_counter()
+    if kernels() is None:
+        return 1
+    print(f"hybridkv C++ kernels ready in {time.perf_counter() - start:.1f} s")
+    return 0
