@@ -58,7 +58,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= FEW_ROWS and native.enabled(x):
+        if x.shape[0] <= FEW_ROWS and native.enabled(x, self.weight):
             return native.rms_norm(x, self.weight, self.eps)
         y = F.rms_norm(f32(x), self.weight.shape, self.weight, self.eps)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
@@ -89,7 +89,7 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         T, Hk, Hv, dk, dv = x.shape[0], self.Hk, self.Hv, self.dk, self.dv
         mixed = mm(x, self.in_proj)
-        if batch.is_decode and native.enabled(mixed):
+        if batch.is_decode and native.enabled(mixed, self.conv_weight, self.A_log, self.dt_bias, self.norm.weight):
             o = native.gdn_decode(
                 mixed, self.conv_weight, self.A_log, self.dt_bias, self.norm.weight, self.norm.eps, Hk, dk,
                 batch.linear_pools(self.index), batch.state_slots, batch.snapshot_of_token,
@@ -145,7 +145,7 @@ class GatedAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         T, H, Hkv, hd = x.shape[0], self.H, self.Hkv, self.hd
         qkv = mm(x, self.qkv_proj)
-        if batch.is_decode and native.enabled(qkv):
+        if batch.is_decode and native.enabled(qkv, self.q_norm.weight, self.k_norm.weight):
             o = native.attention_decode(
                 qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin, batch.kv_pools(self.index),
                 batch.slot_mapping, batch.block_tables, batch.kv_lens, self.scale, H,

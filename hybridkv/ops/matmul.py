@@ -18,9 +18,10 @@ FEW_ROWS = 32
 def mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [T, D] @ w [D, N] → [T, N] in x's dtype.
 
-    One row: MKL streams w on one core, so split D into one part per thread as one bmm and add the
-    parts (~1.5x the bandwidth). 2..FEW_ROWS rows: the C++ kernel holds all rows of a column tile
-    in registers while w streams by once (1.3-2x MKL's time). More rows: MKL.
+    Up to FEW_ROWS rows: the C++ kernel (`native.rows_matmul`) holds all rows of a column tile in
+    registers while w streams by once (1.3-2x MKL at 2-16 rows). Without it, one row at a time on
+    MKL streams w on one core, so split D into one part per thread as one bmm and add the parts
+    (~1.5x the bandwidth). More rows: MKL.
     """
     T, D = x.shape
     if T > FEW_ROWS:

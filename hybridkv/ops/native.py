@@ -54,6 +54,9 @@ def kernels() -> Any | None:
         if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
+        # -fopenmp: at::parallel_for is inline OpenMP in torch's CPU build, so without it the kernels
+        # would run on one thread. The extension then binds to torch's own libgomp (same soname,
+        # already loaded): one thread pool, not two competing for the cores.
         cpp_extension.load(
             name=f"hybridkv_kernels_{_cpu_tag()}",
             sources=[str(SOURCE)],
