@@ -19,8 +19,16 @@
 namespace {
 
 constexpr int LANES = 16;
-constexpr int TILE = 4 * LANES;  // columns per register tile
-constexpr int MAX_R = 6;         // rows per register tile: 6 x 4 accumulators
+// A register tile: up to R rows x V vectors of 16 columns. float32 weights: 6 x 4 (64 columns, 256
+// bytes of each weight row). bfloat16 with few rows: 3 x 8, so a tile still reads 256-byte runs of
+// each row (128-byte runs stream at half the bandwidth, measured); with more rows, 6 x 4.
+template <typename W>
+struct Tiling {
+  static constexpr int V = sizeof(W) == 2 ? 8 : 4;
+  static constexpr int MAX_R = sizeof(W) == 2 ? 3 : 6;
+  static constexpr int COLS = V * LANES;  // also the unit of parallel work
+};
+constexpr int NARROW_V = 4, NARROW_R = 6;
 
 typedef float vf __attribute__((vector_size(64)));
 typedef uint16_t vh __attribute__((vector_size(32)));
@@ -54,7 +62,7 @@ inline void tile(const float* x, int64_t ldx, const W* w, int64_t ldw, float* y,
     vf wv[V];
     for (int v = 0; v < V; ++v) wv[v] = load(wr + v * LANES);
     if constexpr (R > 1)  // (one row: the hardware prefetcher alone streams faster, measured)
-      for (int v = 0; v < V; ++v) __builtin_prefetch(wr + TILE + v * LANES, 0, 3);
+      for (int v = 0; v < V; ++v) __builtin_prefetch(wr + V * LANES + v * LANES, 0, 3);
     for (int r = 0; r < R; ++r) {
       const float xr = x[r * ldx + d];
       for (int v = 0; v < V; ++v) acc[r][v] += xr * wv[v];
@@ -79,13 +87,20 @@ inline void tile_rows(int R, const float* x, int64_t ldx, const W* w, int64_t ld
 // Columns [n0, n1) of y[T, N] = x[T, D] @ w[D, N], every row of x.
 template <typename W>
 void columns(const float* x, int64_t T, int64_t D, const W* w, int64_t N, float* y, int64_t n0, int64_t n1) {
+  const bool wide = T <= Tiling<W>::MAX_R;
+  const int64_t cols = wide ? Tiling<W>::COLS : NARROW_V * LANES, max_r = wide ? Tiling<W>::MAX_R : NARROW_R;
   int64_t n = n0;
-  for (; n + TILE <= n1; n += TILE)
-    for (int64_t r = 0; r < T; r += MAX_R)
-      tile_rows<4>(std::min<int64_t>(MAX_R, T - r), x + r * D, D, w + n, N, y + r * N + n, N, D);
+  for (; n + cols <= n1; n += cols)
+    for (int64_t r = 0; r < T; r += max_r) {
+      const int rows = static_cast<int>(std::min<int64_t>(max_r, T - r));
+      if (wide)
+        tile_rows<Tiling<W>::V>(rows, x + r * D, D, w + n, N, y + r * N + n, N, D);
+      else
+        tile_rows<NARROW_V>(rows, x + r * D, D, w + n, N, y + r * N + n, N, D);
+    }
   for (; n + LANES <= n1; n += LANES)
-    for (int64_t r = 0; r < T; r += MAX_R)
-      tile_rows<1>(std::min<int64_t>(MAX_R, T - r), x + r * D, D, w + n, N, y + r * N + n, N, D);
+    for (int64_t r = 0; r < T; r += NARROW_R)
+      tile_rows<1>(std::min<int64_t>(NARROW_R, T - r), x + r * D, D, w + n, N, y + r * N + n, N, D);
   for (; n < n1; ++n)  // fewer than 16 columns left
     for (int64_t r = 0; r < T; ++r) {
       float s = 0.f;
@@ -94,15 +109,15 @@ void columns(const float* x, int64_t T, int64_t D, const W* w, int64_t N, float*
     }
 }
 
-// Split [0, N) into chunks of whole tiles, one parallel_for over them (and over `groups` products).
+// Split [0, N) into chunks of `chunk` columns, one parallel_for over them (and over `groups` products).
 template <typename F>
-void parallel_columns(int64_t groups, int64_t N, F&& body) {
-  const int64_t chunks = (N + TILE - 1) / TILE;
+void parallel_columns(int64_t groups, int64_t N, int64_t chunk, F&& body) {
+  const int64_t chunks = (N + chunk - 1) / chunk;
   at::parallel_for(0, groups * chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end;) {
       const int64_t g = i / chunks, c = i % chunks;
       const int64_t c_end = std::min(end - g * chunks, chunks);  // contiguous run within group g
-      body(g, c * TILE, std::min(N, c_end * TILE));
+      body(g, c * chunk, std::min(N, c_end * chunk));
       i = g * chunks + c_end;
     }
   });
@@ -126,7 +141,7 @@ void with_weight_type(const at::Tensor& w, F&& f) {
 void matmul_into(const float* x, int64_t T, int64_t D, const at::Tensor& w, float* y) {
   const int64_t N = w.size(1);
   with_weight_type(w, [&](auto* wp) {
-    parallel_columns(1, N, [&](int64_t, int64_t n0, int64_t n1) { columns(x, T, D, wp, N, y, n0, n1); });
+    parallel_columns(1, N, Tiling<std::remove_cv_t<std::remove_pointer_t<decltype(wp)>>>::COLS, [&](int64_t, int64_t n0, int64_t n1) { columns(x, T, D, wp, N, y, n0, n1); });
   });
 }
 
@@ -184,13 +199,13 @@ void routed_into(const float* xp, int64_t T, int64_t D, const int64_t* idp, cons
   with_weight_type(gate_up, [&](auto* gup) {
     using W = std::remove_cv_t<std::remove_pointer_t<decltype(gup)>>;
     const W* dp = reinterpret_cast<const W*>(down.data_ptr());
-    parallel_columns(A, I2, [&](int64_t g, int64_t n0, int64_t n1) {
+    parallel_columns(A, I2, Tiling<W>::COLS, [&](int64_t g, int64_t n0, int64_t n1) {
       const int64_t e = active[g], s0 = start[e], rows = start[e + 1] - s0;
       columns(xsp + s0 * D, rows, D, gup + e * D * I2, I2, hp + s0 * I2, n0, n1);
     });
     for (int64_t s = 0; s < P; ++s)
       for (int64_t i = 0; i < I; ++i) ap[s * I + i] = silu(hp[s * I2 + i]) * hp[s * I2 + I + i];
-    parallel_columns(A, D, [&](int64_t g, int64_t n0, int64_t n1) {
+    parallel_columns(A, D, Tiling<W>::COLS, [&](int64_t g, int64_t n0, int64_t n1) {
       const int64_t e = active[g], s0 = start[e], rows = start[e + 1] - s0;
       columns(ap + s0 * I, rows, I, dp + e * I * D, D, yp + s0 * D, n0, n1);
     });
