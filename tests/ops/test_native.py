@@ -31,9 +31,10 @@ def test_rows_matmul_equals_matmul(T: int, D: int, N: int) -> None:
     assert_close(native.rows_matmul(x, w), x @ w, rel=1e-5 * D**0.5)
 
 
-def test_rows_matmul_bf16_weights_match_the_upcast_product() -> None:
-    gen = torch.Generator().manual_seed(1)
-    x, w = torch.randn(3, 96, generator=gen), torch.randn(96, 150, generator=gen).bfloat16()
+@pytest.mark.parametrize("T", [1, 3, 4, 16])  # wide 128-column tiles up to 3 rows, 64 beyond
+def test_rows_matmul_bf16_weights_match_the_upcast_product(T: int) -> None:
+    gen = torch.Generator().manual_seed(T)
+    x, w = torch.randn(T, 96, generator=gen), torch.randn(96, 300, generator=gen).bfloat16()
     assert_close(native.rows_matmul(x, w), x @ w.float(), rel=1e-5 * 96**0.5)
 
 
