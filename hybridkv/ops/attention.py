@@ -42,18 +42,21 @@ def paged_attention(
         return _decode_attention(q, k_pool, v_pool, block_tables, kv_lens, kv_lens_list, scale)
 
     out = torch.empty(q.shape, dtype=q.dtype)
+    group = q.shape[1] // k_pool.shape[2]
     start = 0
     for n, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens_list, strict=True)):
         blocks = block_tables[n, : -(-kv_len // block_size)]
-        k = _gather_blocks(k_pool, blocks, kv_len)  # [Hkv, kv_len, hd]
-        v = _gather_blocks(v_pool, blocks, kv_len)
-        q_n = q[start : start + q_len].float().transpose(0, 1)  # [H, q_len, hd]
+        # KV heads repeated per query head, 4-D: SDPA's CPU flash kernel takes neither GQA nor 3-D
+        # inputs, and its fallback (bmm, softmax) is ~3x slower at 512 tokens.
+        k = _gather_blocks(k_pool, blocks, kv_len).repeat_interleave(group, dim=0)[None]  # [1, H, kv_len, hd]
+        v = _gather_blocks(v_pool, blocks, kv_len).repeat_interleave(group, dim=0)[None]
+        q_n = q[start : start + q_len].float().transpose(0, 1)[None]  # [1, H, q_len, hd]
         if q_len == kv_len:  # nothing cached before: plain causal
-            o = F.scaled_dot_product_attention(q_n, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(q_n, k, v, is_causal=True, scale=scale)
         else:  # query j sits at kv position kv_len - q_len + j: causal with an offset
             mask = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)
-            o = F.scaled_dot_product_attention(q_n, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[start : start + q_len] = o.transpose(0, 1)
+            o = F.scaled_dot_product_attention(q_n, k, v, attn_mask=mask, scale=scale)
+        out[start : start + q_len] = o[0].transpose(0, 1)
         start += q_len
     return out
 
