@@ -162,7 +162,7 @@ def test_rms_norm_equals_torch(dtype: torch.dtype, shape: tuple[int, ...]) -> No
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("H", "Hkv", "hd", "rd"), [(4, 2, 16, 8), (8, 2, 64, 64), (2, 2, 24, 12)])
 def test_attention_decode_equals_pytorch_step(H: int, Hkv: int, hd: int, rd: int, pool_dtype: torch.dtype) -> None:
-    bs, num_blocks, kv_lens = 4, 12, [1, 6, 9]  # 1: the token attends only to itself
+    bs, num_blocks, kv_lens = 4, 40, [1, 6, 37, 70]  # 1: the token attends only to itself
     T = len(kv_lens)
     gen = torch.Generator().manual_seed(H * hd)
     qkv = torch.randn(T, (2 * H + 2 * Hkv) * hd, generator=gen)
@@ -171,7 +171,12 @@ def test_attention_decode_equals_pytorch_step(H: int, Hkv: int, hd: int, rd: int
     cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
     k_pool = torch.randn(num_blocks, bs, Hkv, hd, generator=gen).to(pool_dtype)
     v_pool = torch.randn(num_blocks, bs, Hkv, hd, generator=gen).to(pool_dtype)
-    block_tables = torch.tensor([[5, 0, 0], [2, 7, 0], [11, 3, 8]])  # padding entries are never read
+    # Each sequence's blocks scattered over the pool; entries past its last block are never read.
+    blocks = torch.randperm(num_blocks, generator=gen).tolist()
+    block_tables = torch.zeros(T, 18, dtype=torch.int64)
+    for n, L in enumerate(kv_lens):
+        mine, blocks = blocks[: -(-L // bs)], blocks[-(-L // bs) :]
+        block_tables[n, : len(mine)] = torch.tensor(mine)
     slot_mapping = torch.tensor([block_tables[n, (L - 1) // bs] * bs + (L - 1) % bs for n, L in enumerate(kv_lens)])
     lens = torch.tensor(kv_lens)
 

@@ -389,13 +389,45 @@ at::Tensor gdn_decode(const at::Tensor& mixed_in, const at::Tensor& conv_weight_
 }
 
 
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+// The sum of a vector's lanes as a tree (a lane-by-lane loop is a 16-add dependency chain).
+inline float hsum(vf v) {
+  const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+typedef int32_t vi __attribute__((vector_size(64)));
+
+// exp(x) for x <= 0 (softmax), 16 lanes: x = n ln2 + r with |r| <= ln2/2, exp(r) by its degree-7
+// Taylor polynomial (relative error < 1e-8 before rounding), 2^n through the exponent bits.
+inline vf vexp(vf x) {
+  const vf lo = vf{} - 87.0f;
+  x = x < lo ? lo : x;  // exp(-87) ~ 1.6e-38: below every softmax term that matters
+  const vf magic = vf{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const vf n = (x * 1.44269504088896341f + magic) - magic;
+  const vf r = (x - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
+  vf p = vf{} + (1.f / 5040.f);
+  p = p * r + (1.f / 720.f);
+  p = p * r + (1.f / 120.f);
+  p = p * r + (1.f / 24.f);
+  p = p * r + (1.f / 6.f);
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const vi scale = (__builtin_convertvector(n, vi) + 127) << 23;
+  return p * (vf)scale;
+}
+
 // Sum of x[i] * y[i] for i < n, 16 lanes at a time.
 inline float dot(const float* x, const float* y, int64_t n) {
   vf acc = {};
   int64_t i = 0;
   for (; i + LANES <= n; i += LANES) acc += load(x + i) * load(y + i);
-  float s = 0.f;
-  for (int l = 0; l < LANES; ++l) s += acc[l];
+  float s = hsum(acc);
   for (; i < n; ++i) s += x[i] * y[i];
   return s;
 }
@@ -498,7 +530,15 @@ at::Tensor attention_decode_impl(const at::Tensor& qkv, const at::Tensor& q_norm
         float mx = s[0];
         for (int64_t p = 1; p < L; ++p) mx = std::max(mx, s[p]);
         float sum = 0.f;
-        for (int64_t p = 0; p < L; ++p) sum += (s[p] = std::exp(s[p] - mx));
+        int64_t p = 0;
+        vf sums = {};
+        for (; p + LANES <= L; p += LANES) {
+          const vf e = vexp(load(s + p) - mx);
+          store(s + p, e);
+          sums += e;
+        }
+        sum = hsum(sums);
+        for (; p < L; ++p) sum += (s[p] = std::exp(s[p] - mx));
         for (int64_t p = 0; p < L; ++p) s[p] /= sum;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
