@@ -254,6 +254,10 @@ class Qwen3NextModel(nn.Module):
         if input_ids.shape != (batch.num_tokens,):
             raise ValueError(f"input_ids has shape {list(input_ids.shape)}, the batch has {batch.num_tokens} tokens")
         x = F.embedding(input_ids, self.embed)
+        if batch.is_decode and x.dtype != torch.float32 and batch.num_tokens <= FEW_ROWS and native.enabled(x):
+            # A decode step runs on the C++ kernels, which compute in float32 whatever the weights:
+            # keep the activations float32 rather than cast them down and back up around every call.
+            x = x.float()
         freqs = batch.positions[:, None].float() * self.inv_freq
         emb = torch.cat([freqs, freqs], dim=-1)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
@@ -262,7 +266,7 @@ class Qwen3NextModel(nn.Module):
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)
         x = self.norm(x)
-        logits = F.linear(x, self.embed) if self.lm_head is None else mm(x, self.lm_head)
+        logits = F.linear(x.to(self.embed.dtype), self.embed) if self.lm_head is None else mm(x, self.lm_head)
         return logits.float()
 
 
