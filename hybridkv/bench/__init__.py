@@ -112,7 +112,7 @@ def run(
         peer = load_peer(model_dir, dtype)
         if limits is None:
             log("measuring the machine's limits")
-            limits = Limits.measure(quick)
+            limits = Limits.measure(quick, dtype)
         b = Bench(cm, peer, plan, limits, WeightCounts.of(cm.model), log)
         results = _run_scenarios(b)
     run_info = {

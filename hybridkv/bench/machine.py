@@ -1,10 +1,11 @@
 """The machine's limits, measured on the spot, and what they allow a scenario at best (a roofline).
 
-Limits: memory read bandwidth (a sum over a tensor far larger than the caches) and fp32 matmul
-throughput (the best of a few large products), each the best of a few runs. A scenario's floor time is
-max(bytes it must read / bandwidth, FLOPs it must do / matmul rate); its fraction of the limit is
-floor / measured. Weights dominate both: FLOPs are 2 per active weight per token, bytes are the
-weights one step reads (attention and the delta rule add a few percent, which the floor ignores).
+Limits: memory read bandwidth (a sum over a tensor far larger than the caches) and matmul
+throughput in the run's dtype (the best of a few large products), each the best of a few runs.
+A scenario's floor time is max(bytes it must read / bandwidth, FLOPs it must do / matmul rate);
+its fraction of the limit is floor / measured. Weights dominate both: FLOPs are 2 per active
+weight per token, bytes are the weights one step reads (attention and the delta rule add a few
+percent, which the floor ignores).
 """
 
 from __future__ import annotations
@@ -37,18 +38,19 @@ class Limits:
     threads: int
     read_gb_s: float
     matmul_gflop_s: float
+    matmul_dtype: str = "float32"
 
     @staticmethod
-    def measure(quick: bool = False) -> Limits:
+    def measure(quick: bool = False, dtype: torch.dtype = torch.float32) -> Limits:
         reps = 3 if quick else 7
         big = torch.ones(64 * 2**20)  # 256 MiB, 8x the L3 of these machines
         read = big.numel() * big.element_size() / best_time(big.sum, reps)
         del big
         best = 0.0
         for m, k, n in ((2048, 2048, 2048), (2048, 512, 2048), (512, 512, 4096)):
-            a, b = torch.randn(m, k), torch.randn(k, n)
+            a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
             best = max(best, 2 * m * k * n / best_time(functools.partial(torch.matmul, a, b), reps))
-        return Limits(torch.get_num_threads(), read / 1e9, best / 1e9)
+        return Limits(torch.get_num_threads(), read / 1e9, best / 1e9, str(dtype).removeprefix("torch."))
 
     def floor_seconds(self, read_bytes: float, flops: float) -> float:
         return max(read_bytes / (self.read_gb_s * 1e9), flops / (self.matmul_gflop_s * 1e9))

@@ -32,7 +32,8 @@ def to_json(results: list[Result], limits: Limits, weights: WeightCounts, run: d
         "machine": {
             "threads": limits.threads,
             "memory_read_gb_s": limits.read_gb_s,
-            "matmul_fp32_gflop_s": limits.matmul_gflop_s,
+            "matmul_gflop_s": limits.matmul_gflop_s,
+            "matmul_dtype": limits.matmul_dtype,
         },
         "model": {
             "parameters": weights.total,
@@ -93,7 +94,7 @@ def print_table(document: dict[str, Any], console: Any) -> None:
 
     notes = [
         f"machine: {machine['threads']} threads, memory read {machine['memory_read_gb_s']:.1f} GB/s, "
-        f"fp32 matmul {machine['matmul_fp32_gflop_s']:.0f} GFLOP/s",
+        f"{machine['matmul_dtype']} matmul {machine['matmul_gflop_s']:.0f} GFLOP/s",
         f"model: {model['parameters'] / 1e6:.1f}M parameters, {model['active_parameters_per_token'] / 1e6:.1f}M "
         f"active per token ({model['decode_bytes_per_token'] / 2**20:.0f} MiB read per batch-1 decode step)",
         "ratio > 1: hybridkv better (time: transformers / hybridkv; tok/s: hybridkv / transformers); "
