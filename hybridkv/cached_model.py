@@ -15,6 +15,7 @@ from hybridkv.cache.hybrid import HybridCache
 from hybridkv.models.config import ModelConfig
 from hybridkv.models.qwen3_next import Qwen3NextModel, load_model
 from hybridkv.models.weights import check_memory_fit, checkpoint_nbytes
+from hybridkv.ops import native
 
 LogitsMode = Literal["all", "last", "none"]
 _DTYPES = {torch.float32, torch.bfloat16}
@@ -72,7 +73,9 @@ class CachedModel:
         config = ModelConfig.from_dir(model_dir)
         sizes = PoolSizes.plan(cache_spec(config, dtype), cache)
         check_memory_fit(checkpoint_nbytes(model_dir, dtype), sizes.total_bytes)
-        return cls(load_model(model_dir, dtype), config, cache, dtype)
+        model = load_model(model_dir, dtype)
+        native.enabled()  # the C++ kernels built (first time on this machine, ~10 s) or loaded now, not mid-request
+        return cls(model, config, cache, dtype)
 
     @property
     def vocab_size(self) -> int:
