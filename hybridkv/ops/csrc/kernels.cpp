@@ -147,9 +147,47 @@ void with_weight_type(const at::Tensor& w, F&& f) {
     f(reinterpret_cast<const at::BFloat16*>(w.data_ptr<at::BFloat16>()));
 }
 
+// y[N] += sum_{d0 <= d < d1} x[d] * w[d, :]: w's rows streamed whole, four at a time.
+template <typename W>
+void depth_block(const float* x, const W* w, int64_t N, float* y, int64_t d0, int64_t d1) {
+  int64_t d = d0;
+  for (; d + 4 <= d1; d += 4) {
+    const W *w0 = w + d * N, *w1 = w0 + N, *w2 = w1 + N, *w3 = w2 + N;
+    const float a0 = x[d], a1 = x[d + 1], a2 = x[d + 2], a3 = x[d + 3];
+    int64_t n = 0;
+    for (; n + LANES <= N; n += LANES)
+      store(y + n, load(y + n) + a0 * load(w0 + n) + a1 * load(w1 + n) + a2 * load(w2 + n) + a3 * load(w3 + n));
+    for (; n < N; ++n) y[n] += a0 * scalar(w0[n]) + a1 * scalar(w1[n]) + a2 * scalar(w2[n]) + a3 * scalar(w3[n]);
+  }
+  for (; d < d1; ++d)
+    for (int64_t n = 0; n < N; ++n) y[n] += x[d] * scalar(w[d * N + n]);
+}
+
+// One row against a wide weight (an lm_head): each thread streams a contiguous block of w's rows
+// into its own partial sum, then the partials are added (~10% more bandwidth than column tiles).
+constexpr int64_t WIDE = 8192;
+
+void matmul_row_split_depth(const float* x, int64_t D, const at::Tensor& w, float* y) {
+  const int64_t N = w.size(1), parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), D / 4));
+  const int64_t step = (D / parts + 3) / 4 * 4;
+  std::vector<float> partial(parts * N, 0.f);
+  with_weight_type(w, [&](auto* wp) {
+    at::parallel_for(0, parts, 1, [&](int64_t b, int64_t e) {
+      for (int64_t p = b; p < e; ++p)
+        depth_block(x, wp, N, partial.data() + p * N, std::min(D, p * step), std::min(D, (p + 1) * step));
+    });
+  });
+  for (int64_t n = 0; n < N; ++n) {
+    float s = 0.f;
+    for (int64_t p = 0; p < parts; ++p) s += partial[p * N + n];
+    y[n] = s;
+  }
+}
+
 // y[T, N] = x[T, D] @ w[D, N], columns split over threads.
 void matmul_into(const float* x, int64_t T, int64_t D, const at::Tensor& w, float* y) {
   const int64_t N = w.size(1);
+  if (T == 1 && N >= WIDE) return matmul_row_split_depth(x, D, w, y);
   with_weight_type(w, [&](auto* wp) {
     parallel_columns(1, N, Tiling<std::remove_cv_t<std::remove_pointer_t<decltype(wp)>>>::COLS, [&](int64_t, int64_t n0, int64_t n1) { columns(x, T, D, wp, N, y, n0, n1); });
   });
