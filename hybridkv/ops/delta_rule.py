@@ -68,8 +68,9 @@ def chunk_gated_delta_rule(
     k_beta = k_c * beta_c[..., None]
     # With A = I + strict_lower(diag(β) K Kᵀ ⊙ decay):  U = A⁻¹ diag(β) V,  W = A⁻¹ diag(β e^{g_cum}) K.
     ut_system = (k_beta @ k_c.transpose(-1, -2)) * decay
-    u_c = torch.linalg.solve_triangular(ut_system, v_c * beta_c[..., None], upper=False, unitriangular=True)
-    w_c = torch.linalg.solve_triangular(ut_system, k_beta * g_cum.exp()[..., None], upper=False, unitriangular=True)
+    ut_inverse = _unit_lower_inverse(ut_system)
+    u_c = ut_inverse @ (v_c * beta_c[..., None])
+    w_c = ut_inverse @ (k_beta * g_cum.exp()[..., None])
     intra = (q_c @ k_c.transpose(-1, -2)) * decay  # [B, Hv, C, C], includes the diagonal
     q_decayed = q_c * g_cum.exp()[..., None]
     k_decayed_t = (k_c * (g_cum[..., -1:] - g_cum).exp()[..., None]).transpose(-1, -2)  # [B, Hv, dk, C]
@@ -99,6 +100,26 @@ def chunk_gated_delta_rule(
     final_state = torch.empty(N, Hv, dk, dv)
     final_state[plan.order] = state
     return o, final_state, states_out
+
+
+def _unit_lower_inverse(a: torch.Tensor) -> torch.Tensor:
+    """A⁻¹ for a batch of unit lower-triangular A [..., n, n] (only its strict lower part is read).
+
+    Block by block, [[A11, 0], [A21, A22]]⁻¹ = [[A11⁻¹, 0], [−A22⁻¹ A21 A11⁻¹, A22⁻¹]], down to 16×16
+    blocks solved directly: batched matmuls instead of a triangular solve per matrix (LAPACK's loop
+    over the batch), and then one product per right-hand side.
+    """
+    n = a.shape[-1]
+    if n <= 16:
+        eye = torch.eye(n, dtype=a.dtype).expand(a.shape)
+        return torch.linalg.solve_triangular(a, eye, upper=False, unitriangular=True)
+    h = n // 2
+    top, bottom = _unit_lower_inverse(a[..., :h, :h]), _unit_lower_inverse(a[..., h:, h:])
+    out = torch.zeros_like(a)
+    out[..., :h, :h] = top
+    out[..., h:, h:] = bottom
+    out[..., h:, :h] = -(bottom @ a[..., h:, :h]) @ top
+    return out
 
 
 @dataclass

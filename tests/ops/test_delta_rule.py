@@ -11,7 +11,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
     torch_recurrent_gated_delta_rule,
 )
 
-from hybridkv.ops.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from hybridkv.ops.delta_rule import _unit_lower_inverse, chunk_gated_delta_rule, recurrent_gated_delta_rule
 from hybridkv.ops.naive import naive_chunk_gated_delta_rule, naive_recurrent_gated_delta_rule
 
 
@@ -185,3 +185,18 @@ def test_decode_steps_continue_a_chunked_prefill():
         o, state = recurrent_gated_delta_rule(**{name: t[rows] for name, t in x.items()}, state=state)
         assert_close(o, o_ref[rows])
     assert_close(state, final_ref)
+
+
+@pytest.mark.parametrize("n", [1, 16, 37, 64])
+def test_unit_lower_inverse_inverts(n):
+    # A UT-transform system as the chunked rule builds it: I + strict_lower(diag(β) K Kᵀ ⊙ decay).
+    gen = torch.Generator().manual_seed(n)
+    k = F.normalize(torch.randn(3, 4, n, 16, generator=gen), dim=-1)
+    beta, g_cum = torch.rand(3, 4, n, generator=gen), -torch.rand(3, 4, n, generator=gen).mul(0.2).cumsum(-1)
+    decay = (g_cum[..., :, None] - g_cum[..., None, :]).exp()
+    a = torch.eye(n) + ((beta[..., None] * k) @ k.transpose(-1, -2) * decay).tril(-1)
+    a_before = a.clone()
+    inv = _unit_lower_inverse(a)
+    assert torch.equal(a, a_before)
+    assert_close(inv, torch.linalg.inv(a.double()).float(), rel=1e-5)
+    assert torch.equal(inv.triu(1), torch.zeros_like(inv))

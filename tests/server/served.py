@@ -56,11 +56,11 @@ class Served:
         raise AssertionError(f"the engine is still busy after {timeout} s")
 
 
-def start(llm: LLM) -> tuple[Served, threading.Thread]:
+def start(llm: LLM, grace: float = 1.0) -> tuple[Served, threading.Thread]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = make_server(llm, MODEL, "127.0.0.1", port, grace=1.0, log_level="warning")
+    server = make_server(llm, MODEL, "127.0.0.1", port, grace=grace, log_level="warning")
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

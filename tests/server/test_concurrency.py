@@ -116,9 +116,10 @@ def test_a_full_queue_answers_429_with_retry_after(model_dir: Path) -> None:
 
 
 def test_shutdown_ends_running_streams_cleanly(model_dir: Path) -> None:
-    """Streams still running when the server stops get its grace period (1 s here), then end with a
-    last chunk (finish reason "abort") and [DONE] instead of a cut connection."""
-    served, thread = start(make_llm(model_dir, max_num_seqs=2))
+    """Streams still running when the server stops get its grace period (0.1 s here, far less than
+    the 900 tokens take), then end with a last chunk (finish reason "abort") and [DONE] instead of
+    a cut connection."""
+    served, thread = start(make_llm(model_dir, max_num_seqs=2), grace=0.1)
     long = {"model": MODEL, "prompt": "forever", "max_tokens": 900, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=served.url, timeout=30) as http, http.stream("POST", "/v1/completions", json=long) as s:
         lines = s.iter_lines()
