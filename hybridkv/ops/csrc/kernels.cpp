@@ -1,10 +1,12 @@
-// Decode-time CPU kernels: products with few rows that stream their weights at memory bandwidth.
+// Decode-time CPU kernels (see hybridkv/ops/native.py for their Python signatures and twins).
 //
-// At decode a projection has T <= a few dozen rows, so x @ W is bound by reading W once. These
-// kernels hold a tile of R rows x 64 columns of the result in registers while W's rows stream by,
-// and split the columns over ATen's threads. Weights are [D, N] (transposed storage), float32 or
-// bfloat16; activations and results are float32. GCC vector extensions give AVX-512 or AVX2 code
-// from the same source (-march=native).
+// At decode a projection has T <= a few dozen rows, so x @ W is bound by reading W once. The
+// products here hold a tile of R rows x 64 or 128 columns of the result in registers while W's
+// rows stream by, and split the columns over ATen's threads. Weights are [D, N] (transposed
+// storage), float32 or bfloat16; activations and results are float32. Around them: the whole MoE
+// block, one Gated DeltaNet step and one gated-attention step (both updating the cache pools in
+// place), and rms_norm. GCC vector extensions give AVX-512 or AVX2 code from the same source
+// (-march=native).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
