@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "kernels.cpp"
 DISABLE_ENV = "HYBRIDKV_NATIVE"
+# Read once: `enabled` runs dozens of times per decode step. Tests flip it with monkeypatch.
+disabled = os.environ.get(DISABLE_ENV) == "0"
 
 
 def _cpu_tag() -> str:
@@ -71,10 +73,13 @@ def kernels() -> Any | None:
 
 
 def enabled(*tensors: torch.Tensor) -> bool:
-    """Whether the kernels can take these tensors: not disabled by HYBRIDKV_NATIVE=0, built, on the
+    """Whether the kernels can take these tensors: not disabled (HYBRIDKV_NATIVE=0 at start), built, on the
     CPU, and no autograd needed (the kernels have no backward; training runs the PyTorch twins)."""
-    if os.environ.get(DISABLE_ENV) == "0" or any(t.device.type != "cpu" or t.requires_grad for t in tensors):
+    if disabled:
         return False
+    for t in tensors:
+        if t.requires_grad or not t.is_cpu:
+            return False
     return kernels() is not None
 
 

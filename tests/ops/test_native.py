@@ -58,7 +58,7 @@ def test_moe_block_equals_pytorch_path(
     x = torch.randn(T, D, generator=gen)
     weights = (weight(D, E + 1 + 2 * Is), weight(E, D, 2 * I), weight(E, I, D), weight(Is, D))
     got = native.moe_block(x, *weights, k, norm_topk)
-    monkeypatch.setenv(native.DISABLE_ENV, "0")
+    monkeypatch.setattr(native, "disabled", True)
     want = moe_block(x, *(w.float() for w in weights), k, norm_topk)
     assert_close(got, want, rel=1e-5)
 
@@ -128,7 +128,8 @@ def test_decode_batches_and_snapshots_match_transformers_on_both_paths(
     use_kernels: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if not use_kernels:
-        monkeypatch.setenv(native.DISABLE_ENV, "0")
+        monkeypatch.setattr(native, "disabled", True)
+        monkeypatch.setattr(native, "_ops", lambda: pytest.fail("a C++ kernel ran with the kernels disabled"))
     hf = make_hf_model(seed=5)
     cm = CachedModel.load(
         save_checkpoint(hf, tmp_path), cache=CacheConfig(snapshot_interval=2, max_model_len=64, block_size=4)
