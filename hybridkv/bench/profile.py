@@ -33,7 +33,7 @@ FAMILIES = {
         "aten::baddbmm_",
     ),
     "MoE block (C++ moe_block)": ("hybridkv::moe_block",),
-    "linear-attention step (C++)": ("hybridkv::gdn_decode",),
+    "linear-attention step (C++)": ("hybridkv::gdn_forward",),
     "attention step (C++)": ("hybridkv::attention_decode",),
     "expert weight / state / KV gathers": ("aten::index_select",),
     "cache writes (state, KV)": ("aten::index_copy_",),

@@ -77,16 +77,9 @@ class ForwardBatch:
 
     is_decode: bool = field(init=False)
     """Every sequence feeds exactly one token: the recurrent step forms apply."""
-    snapshot_of_token: torch.Tensor = field(init=False)
-    """[T] int64: the snapshot id receiving the state after each token, -1 for none (decode only:
-    empty otherwise, where a token may have more than one)."""
 
     def __post_init__(self) -> None:
         self.is_decode = all(n == 1 for n in self.q_lens)
-        self.snapshot_of_token = torch.empty(0, dtype=torch.int64)
-        if self.is_decode:
-            self.snapshot_of_token = torch.full((len(self.q_lens),), -1, dtype=torch.int64)
-            self.snapshot_of_token[self.snapshot_at] = self.snapshot_ids
 
     # -- attention layers -------------------------------------------------------------------
 

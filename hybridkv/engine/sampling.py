@@ -190,8 +190,8 @@ class RequestSampler:
         raw = logits.detach().to(torch.float32)
         scores = self._penalised(raw, output_ids)
         token_id = int(torch.argmax(scores)) if self.greedy else self._draw(scores)
-        logprob = float(raw[token_id] - torch.logsumexp(raw, dim=0))
-        return SampleResult(token_id, logprob, self._top_logprobs(raw))
+        log_probs = torch.log_softmax(raw, dim=0)  # one tensor: the chosen token's figure is the one in the top list
+        return SampleResult(token_id, float(log_probs[token_id]), self._top_logprobs(log_probs))
 
     def _penalised(self, logits: torch.Tensor, output_ids: Sequence[int]) -> torch.Tensor:
         p = self.params
@@ -259,11 +259,11 @@ class RequestSampler:
             ids, values = _select(ids, values, probs >= p.min_p * probs.max())
         return ids, values
 
-    def _top_logprobs(self, raw: torch.Tensor) -> list[tuple[int, float]] | None:
+    def _top_logprobs(self, log_probs: torch.Tensor) -> list[tuple[int, float]] | None:
         k = self.params.logprobs
         if k is None:
             return None
-        top = torch.topk(torch.log_softmax(raw, dim=0), min(k, raw.shape[0]))
+        top = torch.topk(log_probs, min(k, log_probs.shape[0]))
         return list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
 
 

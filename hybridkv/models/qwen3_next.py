@@ -9,8 +9,8 @@ Weights are rearranged once at load time (`checkpoint_layout`, the one place tha
 checkpoint names) so the forward pass does a few large matmuls and plain splits. Projections are
 stored transposed, [in, out], and applied as `x @ W` (`ops.matmul.mm`): at decode batch sizes that
 streams at up to twice the memory bandwidth of `F.linear`'s x @ Wᵀ, and decode is bandwidth-bound.
-A decode step of either mixer runs as one C++ kernel after its input projection when `ops.native`
-is built (`native.gdn_decode`, `native.attention_decode`).
+When `ops.native` is built, a linear layer runs as one C++ kernel after in_proj (prefill and
+decode, `native.gdn_forward`), and so does an attention layer's decode step (`native.attention_decode`).
 
     linear layer  in_proj  [D, q | k | v | z | b | a]  (the checkpoint groups qkvz and ba per key head)
     attention     qkv_proj [D, q | gate | k | v]        (the checkpoint interleaves q/gate per head)
@@ -89,10 +89,11 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         T, Hk, Hv, dk, dv = x.shape[0], self.Hk, self.Hv, self.dk, self.dv
         mixed = mm(x, self.in_proj)
-        if batch.is_decode and native.enabled(mixed, self.conv_weight, self.A_log, self.dt_bias, self.norm.weight):
-            o = native.gdn_decode(
+        if native.enabled(mixed, self.conv_weight, self.A_log, self.dt_bias, self.norm.weight):
+            o = native.gdn_forward(
                 mixed, self.conv_weight, self.A_log, self.dt_bias, self.norm.weight, self.norm.eps, Hk, dk,
-                batch.linear_pools(self.index), batch.state_slots, batch.snapshot_of_token,
+                batch.linear_pools(self.index), batch.state_slots, batch.cu_seqlens, batch.snapshot_at,
+                batch.snapshot_ids,
             )  # fmt: skip
             return mm(o.to(x.dtype), self.out_proj)
         qkv, z, b, a = mixed.split([self.C, Hv * dv, Hv, Hv], dim=-1)

@@ -6,7 +6,7 @@ compiler, `HYBRIDKV_NATIVE=0`) and that the tests compare it with:
     rows_matmul(x, w)            x @ w for a few rows (decode batches), w [D, N] float32 or bfloat16
     rms_norm(x, w, eps)          F.rms_norm in float32
     moe_block(x, ...)            hybridkv.ops.moe.moe_block's PyTorch path (router, experts, shared expert)
-    gdn_decode(mixed, ...)       GatedDeltaNet's PyTorch decode step (conv, norms, gates, delta rule)
+    gdn_forward(mixed, ...)      GatedDeltaNet's PyTorch path after in_proj (conv, norms, gates, delta rule)
     attention_decode(qkv, ...)   GatedAttention's PyTorch decode step (norms, RoPE, paged attention, gate)
 
 The build (~10 s; the system's g++, ninja from PyPI) is cached by torch.utils.cpp_extension under
@@ -114,7 +114,7 @@ def moe_block(
     return _ops().moe_block(x, gate_in, gate_up, down, shared_down, top_k, norm_topk)
 
 
-def gdn_decode(
+def gdn_forward(
     mixed: torch.Tensor,
     conv_weight: torch.Tensor,
     A_log: torch.Tensor,
@@ -125,18 +125,22 @@ def gdn_decode(
     dk: int,
     pools: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     slots: torch.Tensor,
-    snapshot_of_token: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    snapshot_at: torch.Tensor,
+    snapshot_ids: torch.Tensor,
 ) -> torch.Tensor:
-    """One Gated DeltaNet decode step after in_proj, token n being sequence n.
+    """A Gated DeltaNet mixer after in_proj over a packed batch (prefill or decode), the delta rule
+    run token by token (on a CPU faster than the chunked form: a head's state stays in L1).
 
     mixed [T, C + Hv·dv + 2·Hv] = conv input q|k|v, then z, b, a; conv_weight [C, K]; A_log, dt_bias
     [Hv]; norm_weight [dv]; pools = (conv [slots, C, K-1], delta [slots, Hv, dk, dv], snap_conv,
-    snap_delta), all float32. Updates conv[slots[n]] and delta[slots[n]] in place and copies them to
-    the snapshot pools at snapshot_of_token[n] where that is >= 0.
+    snap_delta), all float32; slots [N] and cu_seqlens [N+1] as in `ForwardBatch`. Updates
+    conv[slots[n]] and delta[slots[n]] in place; the states after token snapshot_at[i] (ascending)
+    go to row snapshot_ids[i] of the snapshot pools.
     Returns RMSNorm(o)·silu(z) [T, Hv·dv] float32, o being the delta rule's read-out.
     """
     conv, delta, snap_conv, snap_delta = pools
-    return _ops().gdn_decode(
+    return _ops().gdn_forward(
         mixed,
         conv_weight,
         A_log,
@@ -148,9 +152,11 @@ def gdn_decode(
         conv,
         delta,
         slots,
+        cu_seqlens,
         snap_conv,
         snap_delta,
-        snapshot_of_token,
+        snapshot_at,
+        snapshot_ids,
     )
 
 

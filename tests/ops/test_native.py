@@ -9,14 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hf_reference import hf_logits, make_hf_model, max_rel_err, save_checkpoint
-from op_checks import assert_close
+from op_checks import assert_close, cu_seqlens_of
 
 from hybridkv import CacheConfig, CachedModel
 from hybridkv.models.qwen3_next import _rope
 from hybridkv.ops import native
 from hybridkv.ops.attention import paged_attention
-from hybridkv.ops.conv import causal_conv1d_step
-from hybridkv.ops.delta_rule import recurrent_gated_delta_rule
+from hybridkv.ops.conv import causal_conv1d
+from hybridkv.ops.delta_rule import chunk_gated_delta_rule
 from hybridkv.ops.moe import moe_block
 
 pytestmark = pytest.mark.skipif(native.kernels() is None, reason="C++ kernels could not be built here")
@@ -72,25 +72,36 @@ def test_moe_block_names_what_does_not_match() -> None:
         native.moe_block(torch.randn(1, D), gate_in, gate_up, down[:, :2], torch.randn(Is, D), 2, True)
 
 
-def _gdn_decode_pytorch(mixed, conv_w, A_log, dt_bias, norm_w, eps, Hk, dk, conv, delta):  # type: ignore[no-untyped-def]
-    """GatedDeltaNet's decode step written with the PyTorch ops (the model's fallback path)."""
+def _gdn_pytorch(mixed, conv_w, A_log, dt_bias, norm_w, eps, Hk, dk, conv, delta, cu, at):  # type: ignore[no-untyped-def]
+    """GatedDeltaNet after in_proj with the PyTorch ops (the model's fallback path), chunked delta rule."""
     T, Hv, dv, C = mixed.shape[0], A_log.shape[0], norm_w.shape[0], conv_w.shape[0]
     qkv, z, b, a = mixed.split([C, Hv * dv, Hv, Hv], dim=-1)
-    y, new_conv = causal_conv1d_step(qkv, conv_w, conv)
+    y, new_conv, conv_snaps = causal_conv1d(qkv, conv_w, cu, conv, state_at=at)
     qk, v = y.split([2 * Hk * dk, Hv * dv], dim=-1)
     qk = F.normalize(qk.reshape(T, 2 * Hk, dk), dim=-1, eps=0) * torch.tensor([dk**-0.5] * Hk + [1.0] * Hk)[:, None]
     qk = qk.repeat_interleave(Hv // Hk, dim=1)
     g = -A_log.exp() * F.softplus(a + dt_bias)
-    o, new_delta = recurrent_gated_delta_rule(qk[:, :Hv], qk[:, Hv:], v.reshape(T, Hv, dv), g, b.sigmoid(), delta)
+    o, new_delta, delta_snaps = chunk_gated_delta_rule(
+        qk[:, :Hv], qk[:, Hv:], v.reshape(T, Hv, dv), g, b.sigmoid(), cu, delta, state_at=at, chunk_size=16
+    )
     o = F.rms_norm(o, (dv,), norm_w, eps) * F.silu(z.reshape(T, Hv, dv))
-    return o.reshape(T, Hv * dv), new_conv, new_delta
+    return o.reshape(T, Hv * dv), new_conv, new_delta, conv_snaps, delta_snaps
 
 
-@pytest.mark.parametrize(("Hk", "Hv", "dk", "dv", "T"), [(2, 4, 16, 8, 1), (1, 1, 8, 8, 3), (4, 8, 64, 64, 5)])
-def test_gdn_decode_equals_pytorch_step_and_updates_slots_and_snapshots(
-    Hk: int, Hv: int, dk: int, dv: int, T: int
+@pytest.mark.parametrize(
+    ("lens", "at"),
+    [
+        ([1, 1, 1], [0, 2]),  # a decode step: one token per sequence
+        ([1], []),
+        ([5, 1, 40], [0, 3, 4, 5, 6, 25, 45]),  # first and last tokens, a length-1 sequence, mid-chunk
+        ([70], [1, 2, 69]),  # before the conv window is full
+    ],
+)
+@pytest.mark.parametrize(("Hk", "Hv", "dk", "dv"), [(2, 4, 16, 8), (1, 1, 8, 8), (4, 8, 64, 64)])
+def test_gdn_forward_equals_pytorch_path_and_updates_slots_and_snapshots(
+    lens: list[int], at: list[int], Hk: int, Hv: int, dk: int, dv: int
 ) -> None:
-    C, K, slots_total, snaps_total = 2 * Hk * dk + Hv * dv, 4, 7, 5
+    T, N, C, K, slots_total, snaps_total = sum(lens), len(lens), 2 * Hk * dk + Hv * dv, 4, 7, 9
     gen = torch.Generator().manual_seed(Hv * 10 + T)
     mixed = torch.randn(T, C + Hv * dv + 2 * Hv, generator=gen)
     conv_w, A_log, dt_bias = torch.randn(C, K, generator=gen), torch.randn(Hv, generator=gen), torch.randn(Hv)
@@ -98,29 +109,38 @@ def test_gdn_decode_equals_pytorch_step_and_updates_slots_and_snapshots(
     conv_pool = torch.randn(slots_total, C, K - 1, generator=gen)
     delta_pool = 0.3 * torch.randn(slots_total, Hv, dk, dv, generator=gen)
     snap_conv, snap_delta = torch.zeros(snaps_total, C, K - 1), torch.zeros(snaps_total, Hv, dk, dv)
-    slots = torch.tensor([6, 0, 3, 2, 5][:T])
-    snapshot_of_token = torch.tensor([4, -1, 1, -1, 0][:T])
+    slots, cu = torch.tensor([6, 0, 3][:N]), cu_seqlens_of(lens)
+    snapshot_at = torch.tensor(at, dtype=torch.int64)
+    snapshot_ids = torch.tensor([8, 1, 4, 0, 7, 2, 5][: len(at)], dtype=torch.int64)
     before_conv, before_delta = conv_pool.clone(), delta_pool.clone()
 
-    o, new_conv, new_delta = _gdn_decode_pytorch(
-        mixed, conv_w, A_log, dt_bias, norm_w, 1e-6, Hk, dk, conv_pool[slots], delta_pool[slots]
+    o, new_conv, new_delta, conv_snaps, delta_snaps = _gdn_pytorch(
+        mixed, conv_w, A_log, dt_bias, norm_w, 1e-6, Hk, dk, conv_pool[slots], delta_pool[slots], cu, snapshot_at
     )
-    got = native.gdn_decode(
+    got = native.gdn_forward(
         mixed, conv_w, A_log, dt_bias, norm_w, 1e-6, Hk, dk,
-        (conv_pool, delta_pool, snap_conv, snap_delta), slots, snapshot_of_token,
+        (conv_pool, delta_pool, snap_conv, snap_delta), slots, cu, snapshot_at, snapshot_ids,
     )  # fmt: skip
 
-    assert_close(got, o, rel=1e-5)
+    assert_close(got, o, rel=1e-4)
     assert_close(conv_pool[slots], new_conv, rel=1e-6)
-    assert_close(delta_pool[slots], new_delta, rel=1e-5)
+    assert_close(delta_pool[slots], new_delta, rel=1e-4)
     untouched = [s for s in range(slots_total) if s not in slots.tolist()]
     assert torch.equal(conv_pool[untouched], before_conv[untouched])
     assert torch.equal(delta_pool[untouched], before_delta[untouched])
-    took = snapshot_of_token >= 0
-    assert torch.equal(snap_conv[snapshot_of_token[took]], conv_pool[slots[took]])
-    assert torch.equal(snap_delta[snapshot_of_token[took]], delta_pool[slots[took]])
-    others = [s for s in range(snaps_total) if s not in snapshot_of_token.tolist()]
+    assert_close(snap_conv[snapshot_ids], conv_snaps, rel=1e-6)
+    assert_close(snap_delta[snapshot_ids], delta_snaps, rel=1e-4)
+    others = [s for s in range(snaps_total) if s not in snapshot_ids.tolist()]
     assert not snap_conv[others].any() and not snap_delta[others].any()
+
+
+def test_gdn_forward_names_bad_snapshot_positions() -> None:
+    C, Hv, dv = 2 * 8 + 8, 1, 8
+    pools = (torch.zeros(2, C, 3), torch.zeros(2, 1, 8, 8), torch.zeros(2, C, 3), torch.zeros(2, 1, 8, 8))
+    args = (torch.randn(4, C + Hv * dv + 2 * Hv), torch.randn(C, 4), torch.zeros(1), torch.zeros(1), torch.ones(8))
+    with pytest.raises(RuntimeError, match="snap_tokens must be ascending"):
+        native.gdn_forward(*args, 1e-6, 1, 8, pools, torch.tensor([0]), torch.tensor([0, 4]), torch.tensor([3, 1]),
+                           torch.tensor([0, 1]))  # fmt: skip
 
 
 @pytest.mark.parametrize("use_kernels", [True, False], ids=["kernels", "pytorch"])

@@ -63,6 +63,58 @@ inline float scalar(at::BFloat16 v) { return static_cast<float>(v); }
 
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+// The sum of a vector's lanes as a tree (a lane-by-lane loop is a 16-add dependency chain).
+inline float hsum(vf v) {
+  const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+typedef int32_t vi __attribute__((vector_size(64)));
+
+// exp(x) for x <= 0 (softmax), 16 lanes: x = n ln2 + r with |r| <= ln2/2, exp(r) by its degree-7
+// Taylor polynomial (relative error < 1e-8 before rounding), 2^n through the exponent bits.
+inline vf vexp(vf x) {
+  const vf lo = vf{} - 87.0f;
+  x = x < lo ? lo : x;  // exp(-87) ~ 1.6e-38: below every softmax term that matters
+  const vf magic = vf{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const vf n = (x * 1.44269504088896341f + magic) - magic;
+  const vf r = (x - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
+  vf p = vf{} + (1.f / 5040.f);
+  p = p * r + (1.f / 720.f);
+  p = p * r + (1.f / 120.f);
+  p = p * r + (1.f / 24.f);
+  p = p * r + (1.f / 6.f);
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const vi scale = (__builtin_convertvector(n, vi) + 127) << 23;
+  return p * (vf)scale;
+}
+
+// exp(x) for any x, 16 lanes (above 88, where 2^n would leave the exponent range: +inf).
+inline vf vexp_any(vf x) {
+  const vf hi = vf{} + 88.0f;
+  const vf big = x > hi ? vf{} + __builtin_inff() : vf{};
+  const vf e = vexp(x < hi ? x : hi);
+  return x > hi ? big : e;
+}
+
+// Sum of x[i] * y[i] for i < n, 16 lanes at a time.
+inline float dot(const float* x, const float* y, int64_t n) {
+  vf acc = {};
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES) acc += load(x + i) * load(y + i);
+  float s = hsum(acc);
+  for (; i < n; ++i) s += x[i] * y[i];
+  return s;
+}
+
+
 // y[r, n0:n0+V*16] = sum_d x[r, d] * w[d, n0:...] for r < R. With several rows, the next tile's
 // columns of each row are prefetched as this one is read, so the strided walk down W's rows does
 // not wait on memory.
@@ -322,165 +374,201 @@ at::Tensor moe_block(const at::Tensor& x_in, const at::Tensor& gate_in, const at
 }
 
 
-// One decode step of a Gated DeltaNet mixer for T sequences (token n is sequence n), after in_proj:
-// causal conv + SiLU, joint q|k L2 norm, gates, the delta rule, then RMSNorm(o) * silu(z).
-// The recurrent states are updated in place in the cache pools at `slots`, and copied into the
-// snapshot pools for the tokens that have a snapshot (snap_id[n] >= 0).
+// One token of the gated delta rule on a head's state S [dk, dv], in place:
+//   S *= decay;  u = beta * (v - S^T k);  S += k u^T;  o = S^T q.
+void delta_step(float* S, const float* q, const float* k, const float* v, float beta, float decay, int64_t dk,
+                int64_t dv, float* u, float* o) {
+  std::fill(u, u + dv, 0.f);
+  for (int64_t i = 0; i < dk; ++i) {
+    float* row = S + i * dv;
+    for (int64_t j = 0; j < dv; ++j) {
+      row[j] *= decay;
+      u[j] += k[i] * row[j];
+    }
+  }
+  for (int64_t j = 0; j < dv; ++j) u[j] = beta * (v[j] - u[j]);
+  std::fill(o, o + dv, 0.f);
+  for (int64_t i = 0; i < dk; ++i) {
+    float* row = S + i * dv;
+    for (int64_t j = 0; j < dv; ++j) {
+      row[j] += k[i] * u[j];
+      o[j] += q[i] * row[j];
+    }
+  }
+}
+
+constexpr int64_t MAX_DV = 16 * LANES;
+
+// `delta_step` with u and o held in registers (dv a multiple of 16, at most MAX_DV).
+void delta_step_vec(float* S, const float* q, const float* k, const float* v, float beta, float decay, int64_t dk,
+                    int64_t dv, float* o_out) {
+  const int64_t nv = dv / LANES;
+  vf u[MAX_DV / LANES] = {}, o[MAX_DV / LANES] = {};
+  for (int64_t i = 0; i < dk; ++i) {
+    float* row = S + i * dv;
+    for (int64_t j = 0; j < nv; ++j) {
+      const vf decayed = load(row + j * LANES) * decay;
+      store(row + j * LANES, decayed);
+      u[j] += k[i] * decayed;
+    }
+  }
+  for (int64_t j = 0; j < nv; ++j) u[j] = beta * (load(v + j * LANES) - u[j]);
+  for (int64_t i = 0; i < dk; ++i) {
+    float* row = S + i * dv;
+    for (int64_t j = 0; j < nv; ++j) {
+      const vf updated = load(row + j * LANES) + k[i] * u[j];
+      store(row + j * LANES, updated);
+      o[j] += q[i] * updated;
+    }
+  }
+  for (int64_t j = 0; j < nv; ++j) store(o_out + j * LANES, o[j]);
+}
+
+// out = RMSNorm(o) * weight * silu(z) over dv.
+void gated_rms_norm(const float* o, const float* z, const float* weight, float eps, int64_t dv, float* out) {
+  const float inv = 1.f / std::sqrt(dot(o, o, dv) / static_cast<float>(dv) + eps);
+  int64_t j = 0;
+  for (; j + LANES <= dv; j += LANES) {
+    const vf zj = load(z + j);
+    store(out + j, load(o + j) * inv * load(weight + j) * (zj / (1.f + vexp_any(-zj))));
+  }
+  for (; j < dv; ++j) out[j] = o[j] * inv * weight[j] * (z[j] / (1.f + std::exp(-z[j])));
+}
+
+
+// A Gated DeltaNet mixer after in_proj, over a packed batch of sequences (decode is every length
+// 1): causal conv + SiLU, joint q|k L2 norm, gates, the delta rule token by token, RMSNorm(o) *
+// silu(z). On a CPU the recurrent form beats the chunked one: a head's state [dk, dv] stays in L1
+// and a token costs four passes over it. The states are updated in place in the pools at `slots`;
+// the states after each token in `snap_tokens` are copied to the snapshot pools at `snap_ids`.
 //   mixed [T, C + Hv*dv + 2*Hv] = q|k|v (C) | z | b | a;  conv_weight [C, K];  A_log, dt_bias [Hv];
-//   norm_weight [dv];  conv_pool [slots, C, K-1];  delta_pool [slots, Hv, dk, dv] (float32).
-// Returns o [T, Hv*dv] float32.
-at::Tensor gdn_decode(const at::Tensor& mixed_in, const at::Tensor& conv_weight_in, const at::Tensor& A_log,
-                      const at::Tensor& dt_bias, const at::Tensor& norm_weight, double eps, int64_t Hk, int64_t dk,
-                      at::Tensor conv_pool, at::Tensor delta_pool, const at::Tensor& slots_in, at::Tensor snap_conv,
-                      at::Tensor snap_delta, const at::Tensor& snap_id_in) {
+//   norm_weight [dv];  conv_pool [slots, C, K-1];  delta_pool [slots, Hv, dk, dv] (float32);
+//   cu_seqlens [N+1];  slots [N];  snap_tokens [S] ascending;  snap_ids [S].
+// Returns [T, Hv*dv] float32.
+at::Tensor gdn_forward(const at::Tensor& mixed_in, const at::Tensor& conv_weight_in, const at::Tensor& A_log,
+                       const at::Tensor& dt_bias, const at::Tensor& norm_weight, double eps, int64_t Hk, int64_t dk,
+                       at::Tensor conv_pool, at::Tensor delta_pool, const at::Tensor& slots_in,
+                       const at::Tensor& cu_seqlens_in, at::Tensor snap_conv, at::Tensor snap_delta,
+                       const at::Tensor& snap_tokens_in, const at::Tensor& snap_ids_in) {
   const int64_t T = mixed_in.size(0), Hv = A_log.size(0), dv = norm_weight.size(0);
   const int64_t C = conv_weight_in.size(0), K = conv_weight_in.size(1), r = Hv / Hk;
+  TORCH_CHECK(Hk >= 1 && Hv % Hk == 0 && K >= 1, "gdn_forward: Hv (", Hv, ") must be a multiple of Hk (", Hk, ")");
   TORCH_CHECK(mixed_in.dim() == 2 && mixed_in.size(1) == C + Hv * dv + 2 * Hv && C == 2 * Hk * dk + Hv * dv,
-              "gdn_decode: mixed ", mixed_in.sizes(), " does not match C=", C, " Hv=", Hv, " dv=", dv);
-  TORCH_CHECK(conv_pool.scalar_type() == at::kFloat && delta_pool.scalar_type() == at::kFloat &&
-                  snap_conv.scalar_type() == at::kFloat && snap_delta.scalar_type() == at::kFloat,
-              "gdn_decode: state pools must be float32");
-  TORCH_CHECK(conv_pool.is_contiguous() && delta_pool.is_contiguous() && snap_conv.is_contiguous() &&
-                  snap_delta.is_contiguous(),
-              "gdn_decode: state pools must be contiguous");
+              "gdn_forward: mixed ", mixed_in.sizes(), " does not match C=", C, " Hv=", Hv, " dv=", dv);
+  for (const at::Tensor* pool : {&conv_pool, &delta_pool, &snap_conv, &snap_delta})
+    TORCH_CHECK(pool->scalar_type() == at::kFloat && pool->is_contiguous(),
+                "gdn_forward: state pools must be contiguous float32");
   TORCH_CHECK(conv_pool.size(1) == C && conv_pool.size(2) == K - 1 && delta_pool.size(1) == Hv &&
-                  delta_pool.size(2) == dk && delta_pool.size(3) == dv,
-              "gdn_decode: pool shapes ", conv_pool.sizes(), " ", delta_pool.sizes(), " do not match the layer");
+                  delta_pool.size(2) == dk && delta_pool.size(3) == dv && snap_conv.sizes().slice(1) ==
+                  conv_pool.sizes().slice(1) && snap_delta.sizes().slice(1) == delta_pool.sizes().slice(1),
+              "gdn_forward: pool shapes ", conv_pool.sizes(), " ", delta_pool.sizes(), " do not match the layer");
   const at::Tensor mixed = mixed_in.to(at::kFloat).contiguous();
   const at::Tensor conv_weight = conv_weight_in.to(at::kFloat).contiguous();
-  const at::Tensor slots = slots_in.to(at::kLong).contiguous(), snap_id = snap_id_in.to(at::kLong).contiguous();
-  TORCH_CHECK(slots.numel() == T && snap_id.numel() == T, "gdn_decode: slots and snap_id need one entry per token");
+  const at::Tensor slots = slots_in.to(at::kLong).contiguous(), cu = cu_seqlens_in.to(at::kLong).contiguous();
+  const at::Tensor snap_tokens = snap_tokens_in.to(at::kLong).contiguous(), snap_ids = snap_ids_in.to(at::kLong).contiguous();
   const at::Tensor a_log = A_log.to(at::kFloat).contiguous(), bias = dt_bias.to(at::kFloat).contiguous();
   const at::Tensor nw = norm_weight.to(at::kFloat).contiguous();
+  const int64_t N = slots.numel(), S = snap_tokens.numel();
+  TORCH_CHECK(cu.numel() == N + 1, "gdn_forward: cu_seqlens needs one entry more than slots");
+  TORCH_CHECK(snap_ids.numel() == S, "gdn_forward: snap_tokens and snap_ids differ in length");
 
   const int64_t W = C + Hv * dv + 2 * Hv, Km1 = K - 1;
   const float* mp = mixed.data_ptr<float>();
   const float* cw = conv_weight.data_ptr<float>();
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  const int64_t* sid = snap_id.data_ptr<int64_t>();
+  const int64_t *slot = slots.data_ptr<int64_t>(), *cup = cu.data_ptr<int64_t>();
+  const int64_t *stok = snap_tokens.data_ptr<int64_t>(), *sid = snap_ids.data_ptr<int64_t>();
   float *cp = conv_pool.data_ptr<float>(), *dp = delta_pool.data_ptr<float>();
   float *scp = snap_conv.data_ptr<float>(), *sdp = snap_delta.data_ptr<float>();
-  for (int64_t n = 0; n < T; ++n) {
-    TORCH_CHECK(slot[n] >= 0 && slot[n] < conv_pool.size(0), "gdn_decode: slot ", slot[n], " out of range");
-    TORCH_CHECK(sid[n] < snap_conv.size(0), "gdn_decode: snapshot id ", sid[n], " out of range");
+  TORCH_CHECK(cup[0] == 0 && cup[N] == T, "gdn_forward: cu_seqlens must run from 0 to T=", T);
+  for (int64_t n = 0; n < N; ++n) {
+    TORCH_CHECK(cup[n + 1] > cup[n], "gdn_forward: sequence ", n, " has no tokens");
+    TORCH_CHECK(slot[n] >= 0 && slot[n] < conv_pool.size(0), "gdn_forward: slot ", slot[n], " out of range");
   }
+  for (int64_t i = 0; i < S; ++i) {
+    TORCH_CHECK(stok[i] >= 0 && stok[i] < T && (i == 0 || stok[i] >= stok[i - 1]),
+                "gdn_forward: snap_tokens must be ascending token indices in [0, T)");
+    TORCH_CHECK(sid[i] >= 0 && sid[i] < snap_conv.size(0), "gdn_forward: snapshot id ", sid[i], " out of range");
+  }
+  // The first snapshot at or after token `t`.
+  auto first_snapshot = [&](int64_t t) { return std::lower_bound(stok, stok + S, t) - stok; };
 
-  // Phase 1, per token: conv step (state updated in place), SiLU, L2 norm of each q and k head.
+  // Phase 1, per block of 16 channels: the causal conv of every sequence, token by token, its
+  // window (the conv state) kept in registers; SiLU.
   at::Tensor y = at::empty({T, C}, mixed.options());
   float* yp = y.data_ptr<float>();
-  const float q_scale = 1.f / std::sqrt(static_cast<float>(dk));
-  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      float* state = cp + slot[n] * C * Km1;
-      const float* x = mp + n * W;
-      float* yn = yp + n * C;
-      for (int64_t c = 0; c < C; ++c) {
-        float* st = state + c * Km1;
-        const float* w = cw + c * K;
-        float acc = x[c] * w[Km1];
-        for (int64_t j = 0; j < Km1; ++j) acc += st[j] * w[j];
-        for (int64_t j = 0; j + 1 < Km1; ++j) st[j] = st[j + 1];
-        if (Km1 > 0) st[Km1 - 1] = x[c];
-        yn[c] = acc / (1.f + std::exp(-acc));
-      }
-      if (sid[n] >= 0) std::memcpy(scp + sid[n] * C * Km1, state, C * Km1 * sizeof(float));
-      for (int64_t head = 0; head < 2 * Hk; ++head) {
-        float* h = yn + head * dk;
-        float ss = 0.f;
-        for (int64_t i = 0; i < dk; ++i) ss += h[i] * h[i];
-        const float scale = (1.f / std::sqrt(ss + 1e-6f)) * (head < Hk ? q_scale : 1.f);
-        for (int64_t i = 0; i < dk; ++i) h[i] *= scale;
+  at::parallel_for(0, (C + LANES - 1) / LANES, 1, [&](int64_t begin, int64_t end) {
+    std::vector<vf> wt(K), win(std::max<int64_t>(Km1, 1));
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t c0 = blk * LANES, width = std::min<int64_t>(LANES, C - c0);
+      for (int64_t j = 0; j < K; ++j)
+        for (int l = 0; l < LANES; ++l) wt[j][l] = l < width ? cw[(c0 + l) * K + j] : 0.f;
+      for (int64_t n = 0; n < N; ++n) {
+        float* state = cp + slot[n] * C * Km1;
+        for (int64_t j = 0; j < Km1; ++j)
+          for (int l = 0; l < LANES; ++l) win[j][l] = l < width ? state[(c0 + l) * Km1 + j] : 0.f;
+        int64_t p = first_snapshot(cup[n]);
+        for (int64_t t = cup[n]; t < cup[n + 1]; ++t) {
+          vf xin = {};
+          std::memcpy(&xin, mp + t * W + c0, width * sizeof(float));
+          vf acc = xin * wt[Km1];
+          for (int64_t j = 0; j < Km1; ++j) acc += win[j] * wt[j];
+          for (int64_t j = 0; j + 1 < Km1; ++j) win[j] = win[j + 1];
+          if (Km1 > 0) win[Km1 - 1] = xin;
+          const vf act = acc / (1.f + vexp_any(-acc));
+          std::memcpy(yp + t * C + c0, &act, width * sizeof(float));
+          for (; p < S && stok[p] == t; ++p)
+            for (int64_t j = 0; j < Km1; ++j)
+              for (int l = 0; l < width; ++l) scp[(sid[p] * C + c0 + l) * Km1 + j] = win[j][l];
+        }
+        for (int64_t j = 0; j < Km1; ++j)
+          for (int l = 0; l < width; ++l) state[(c0 + l) * Km1 + j] = win[j][l];
       }
     }
   });
+  // L2 norm of each q and k head (q also scaled by dk^-0.5), per token.
+  const float q_scale = 1.f / std::sqrt(static_cast<float>(dk));
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t head = 0; head < 2 * Hk; ++head) {
+        float* h = yp + t * C + head * dk;
+        const float ss = dot(h, h, dk);
+        const float scale = (1.f / std::sqrt(ss + 1e-6f)) * (head < Hk ? q_scale : 1.f);
+        for (int64_t i = 0; i < dk; ++i) h[i] *= scale;
+      }
+  });
 
-  // Phase 2, per (token, value head): decay, delta-rule write, read-out, gated RMSNorm.
+  // Phase 2, per (sequence, value head), token by token: decay, delta-rule write, read-out,
+  // gated RMSNorm.
   at::Tensor out = at::empty({T, Hv * dv}, mixed.options());
   float* op = out.data_ptr<float>();
   const float *alp = a_log.data_ptr<float>(), *bp = bias.data_ptr<float>(), *nwp = nw.data_ptr<float>();
-  at::parallel_for(0, T * Hv, 1, [&](int64_t begin, int64_t end) {
+  const bool vectors = dv % LANES == 0 && dv <= MAX_DV;
+  at::parallel_for(0, N * Hv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> u(dv), o(dv);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n = item / Hv, h = item % Hv;
-      const float* x = mp + n * W;
-      const float* q = yp + n * C + (h / r) * dk;
-      const float* k = yp + n * C + (Hk + h / r) * dk;
-      const float* v = yp + n * C + 2 * Hk * dk + h * dv;
-      const float* z = x + C + h * dv;
-      const float beta = sigmoid(x[C + Hv * dv + h]);
-      const float decay = std::exp(-std::exp(alp[h]) * softplus(x[C + Hv * dv + Hv + h] + bp[h]));
-      float* S = dp + ((slot[n] * Hv) + h) * dk * dv;  // [dk, dv]
-      std::fill(u.begin(), u.end(), 0.f);
-      for (int64_t i = 0; i < dk; ++i) {  // S *= decay; u = S^T k
-        float* row = S + i * dv;
-        for (int64_t j = 0; j < dv; ++j) {
-          row[j] *= decay;
-          u[j] += k[i] * row[j];
-        }
+      float* Sh = dp + ((slot[n] * Hv) + h) * dk * dv;  // [dk, dv]
+      const float a_scale = -std::exp(alp[h]);
+      int64_t p = first_snapshot(cup[n]);
+      for (int64_t t = cup[n]; t < cup[n + 1]; ++t) {
+        const float* x = mp + t * W;
+        const float* q = yp + t * C + (h / r) * dk;
+        const float* k = yp + t * C + (Hk + h / r) * dk;
+        const float* v = yp + t * C + 2 * Hk * dk + h * dv;
+        const float beta = sigmoid(x[C + Hv * dv + h]);
+        const float decay = std::exp(a_scale * softplus(x[C + Hv * dv + Hv + h] + bp[h]));
+        if (vectors)
+          delta_step_vec(Sh, q, k, v, beta, decay, dk, dv, o.data());
+        else
+          delta_step(Sh, q, k, v, beta, decay, dk, dv, u.data(), o.data());
+        for (; p < S && stok[p] == t; ++p) std::memcpy(sdp + ((sid[p] * Hv) + h) * dk * dv, Sh, dk * dv * sizeof(float));
+        gated_rms_norm(o.data(), x + C + h * dv, nwp, static_cast<float>(eps), dv, op + t * Hv * dv + h * dv);
       }
-      for (int64_t j = 0; j < dv; ++j) u[j] = beta * (v[j] - u[j]);
-      std::fill(o.begin(), o.end(), 0.f);
-      for (int64_t i = 0; i < dk; ++i) {  // S += k u^T; o = S^T q
-        float* row = S + i * dv;
-        for (int64_t j = 0; j < dv; ++j) {
-          row[j] += k[i] * u[j];
-          o[j] += q[i] * row[j];
-        }
-      }
-      if (sid[n] >= 0) std::memcpy(sdp + ((sid[n] * Hv) + h) * dk * dv, S, dk * dv * sizeof(float));
-      float ss = 0.f;
-      for (int64_t j = 0; j < dv; ++j) ss += o[j] * o[j];
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(dv) + static_cast<float>(eps));
-      float* on = op + n * Hv * dv + h * dv;
-      for (int64_t j = 0; j < dv; ++j) on[j] = o[j] * inv * nwp[j] * (z[j] / (1.f + std::exp(-z[j])));
     }
   });
   return out;
 }
 
-
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-
-// The sum of a vector's lanes as a tree (a lane-by-lane loop is a 16-add dependency chain).
-inline float hsum(vf v) {
-  const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
-typedef int32_t vi __attribute__((vector_size(64)));
-
-// exp(x) for x <= 0 (softmax), 16 lanes: x = n ln2 + r with |r| <= ln2/2, exp(r) by its degree-7
-// Taylor polynomial (relative error < 1e-8 before rounding), 2^n through the exponent bits.
-inline vf vexp(vf x) {
-  const vf lo = vf{} - 87.0f;
-  x = x < lo ? lo : x;  // exp(-87) ~ 1.6e-38: below every softmax term that matters
-  const vf magic = vf{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const vf n = (x * 1.44269504088896341f + magic) - magic;
-  const vf r = (x - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
-  vf p = vf{} + (1.f / 5040.f);
-  p = p * r + (1.f / 720.f);
-  p = p * r + (1.f / 120.f);
-  p = p * r + (1.f / 24.f);
-  p = p * r + (1.f / 6.f);
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const vi scale = (__builtin_convertvector(n, vi) + 127) << 23;
-  return p * (vf)scale;
-}
-
-// Sum of x[i] * y[i] for i < n, 16 lanes at a time.
-inline float dot(const float* x, const float* y, int64_t n) {
-  vf acc = {};
-  int64_t i = 0;
-  for (; i + LANES <= n; i += LANES) acc += load(x + i) * load(y + i);
-  float s = hsum(acc);
-  for (; i < n; ++i) s += x[i] * y[i];
-  return s;
-}
 
 inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 inline void to_float(const at::BFloat16* src, float* dst, int64_t n) {
@@ -669,9 +757,9 @@ TORCH_LIBRARY(hybridkv, m) {
       "moe_block(Tensor x, Tensor gate_in, Tensor gate_up, Tensor down, Tensor shared_down, int top_k, "
       "bool norm_topk) -> Tensor");
   m.def(
-      "gdn_decode(Tensor mixed, Tensor conv_weight, Tensor A_log, Tensor dt_bias, Tensor norm_weight, float eps, "
-      "int Hk, int dk, Tensor(a!) conv_pool, Tensor(b!) delta_pool, Tensor slots, Tensor(c!) snap_conv, "
-      "Tensor(d!) snap_delta, Tensor snap_id) -> Tensor");
+      "gdn_forward(Tensor mixed, Tensor conv_weight, Tensor A_log, Tensor dt_bias, Tensor norm_weight, float eps, "
+      "int Hk, int dk, Tensor(a!) conv_pool, Tensor(b!) delta_pool, Tensor slots, Tensor cu_seqlens, "
+      "Tensor(c!) snap_conv, Tensor(d!) snap_delta, Tensor snap_tokens, Tensor snap_ids) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def(
       "attention_decode(Tensor qkv, Tensor q_norm, Tensor k_norm, float eps, Tensor cos, Tensor sin, "
@@ -682,7 +770,7 @@ TORCH_LIBRARY(hybridkv, m) {
 TORCH_LIBRARY_IMPL(hybridkv, CPU, m) {
   m.impl("rows_matmul", rows_matmul);
   m.impl("moe_block", moe_block);
-  m.impl("gdn_decode", gdn_decode);
+  m.impl("gdn_forward", gdn_forward);
   m.impl("rms_norm", rms_norm);
   m.impl("attention_decode", attention_decode);
 }
