@@ -93,7 +93,7 @@ def _gdn_pytorch(mixed, conv_w, A_log, dt_bias, norm_w, eps, Hk, dk, conv, delta
     [
         ([1, 1, 1], [0, 2]),  # a decode step: one token per sequence
         ([1], []),
-        ([5, 1, 40], [0, 3, 4, 5, 6, 25, 45]),  # first and last tokens, a length-1 sequence, mid-chunk
+        ([5, 1, 40], [0, 3, 4, 4, 5, 6, 25, 45]),  # first/last tokens, one token twice, a 1-token sequence
         ([70], [1, 2, 69]),  # before the conv window is full
     ],
 )
@@ -111,7 +111,7 @@ def test_gdn_forward_equals_pytorch_path_and_updates_slots_and_snapshots(
     snap_conv, snap_delta = torch.zeros(snaps_total, C, K - 1), torch.zeros(snaps_total, Hv, dk, dv)
     slots, cu = torch.tensor([6, 0, 3][:N]), cu_seqlens_of(lens)
     snapshot_at = torch.tensor(at, dtype=torch.int64)
-    snapshot_ids = torch.tensor([8, 1, 4, 0, 7, 2, 5][: len(at)], dtype=torch.int64)
+    snapshot_ids = torch.tensor([8, 1, 4, 0, 7, 2, 5, 3][: len(at)], dtype=torch.int64)
     before_conv, before_delta = conv_pool.clone(), delta_pool.clone()
 
     o, new_conv, new_delta, conv_snaps, delta_snaps = _gdn_pytorch(
