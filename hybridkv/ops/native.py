@@ -67,7 +67,7 @@ def kernels() -> Any | None:
             is_python_module=False,
         )
     except Exception as exc:  # no compiler, no ninja, unsupported platform: the PyTorch path still works
-        log.warning("hybridkv C++ kernels unavailable, using the PyTorch path (slower decode): %s", exc)
+        log.warning("hybridkv C++ kernels unavailable, using the PyTorch path (slower decode and prefill): %s", exc)
         return None
     return torch.ops.hybridkv
 
