@@ -23,10 +23,12 @@ def moe_block(
 
     x [T, D]; gate_in [D, E | 1 | 2·Is]: router logits, shared-expert gate, shared gate_up (gate
     columns first); gate_up [E, D, 2I]; down [E, I, D]; shared_down [Is, D]. The router's softmax
-    runs in float32; with norm_topk the chosen k probabilities are renormalised to sum to 1. Few
-    tokens (decode) run as one C++ kernel.
+    runs in float32; with norm_topk the chosen k probabilities are renormalised to sum to 1. It runs
+    as one C++ kernel for few tokens (decode) and for float32 weights (prefill: the kernel sorts,
+    gathers and scatters, MKL multiplies); bfloat16 prefill keeps PyTorch's bfloat16 GEMMs.
     """
-    if x.shape[0] <= FEW_ROWS and native.enabled(x, gate_in, gate_up, down, shared_down):
+    few = x.shape[0] <= FEW_ROWS
+    if (few or gate_up.dtype == torch.float32) and native.enabled(x, gate_in, gate_up, down, shared_down):
         y = native.moe_block(x, gate_in, gate_up, down, shared_down, top_k, norm_topk)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
     E, Is = gate_up.shape[0], shared_down.shape[0]

@@ -109,8 +109,9 @@ def moe_block(
     top_k: int,
     norm_topk: bool,
 ) -> torch.Tensor:
-    """`hybridkv.ops.moe.moe_block` for few tokens, float32 result: router, top-k, the chosen experts
-    read once in place (no gather), and the gated shared expert, all in one call."""
+    """`hybridkv.ops.moe.moe_block` in one call, float32 result: router, top-k, the gated shared
+    expert, and the chosen experts, read once in place (no gather) when they have few rows, by MKL
+    (float32) when they have many."""
     return _ops().moe_block(x, gate_in, gate_up, down, shared_down, top_k, norm_topk)
 
 

@@ -43,7 +43,7 @@ def test_rows_matmul_rejects_mismatched_shapes() -> None:
         native.rows_matmul(torch.randn(2, 8), torch.randn(9, 4))
 
 
-@pytest.mark.parametrize("T", [1, 3, 16, 32])
+@pytest.mark.parametrize("T", [1, 3, 16, 32, 100, 300])  # 100: experts with few and many rows; 300: all many
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("norm_topk", [True, False])
 def test_moe_block_equals_pytorch_path(

@@ -35,6 +35,7 @@ struct Tiling {
   static constexpr int COLS = V * LANES;  // also the unit of parallel work
 };
 constexpr int NARROW_V = 4, NARROW_R = 6;
+constexpr int64_t FEW_ROWS = 32;  // up to here a product streams its weight; beyond, MKL (float32)
 
 typedef float vf __attribute__((vector_size(64)));
 typedef uint16_t vh __attribute__((vector_size(32)));
@@ -241,6 +242,11 @@ void matmul_row_split_depth(const float* x, int64_t D, const at::Tensor& w, floa
 // y[T, N] = x[T, D] @ w[D, N], columns split over threads.
 void matmul_into(const float* x, int64_t T, int64_t D, const at::Tensor& w, float* y) {
   const int64_t N = w.size(1);
+  if (T > FEW_ROWS && w.scalar_type() == at::kFloat) {  // compute-bound: MKL's GEMM
+    at::Tensor yt = at::from_blob(y, {T, N}, at::kFloat);
+    at::mm_out(yt, at::from_blob(const_cast<float*>(x), {T, D}, at::kFloat), w);
+    return;
+  }
   if (T == 1 && N >= WIDE) return matmul_row_split_depth(x, D, w, y);
   with_weight_type(w, [&](auto* wp) {
     parallel_columns(1, N, Tiling<std::remove_cv_t<std::remove_pointer_t<decltype(wp)>>>::COLS, [&](int64_t, int64_t n0, int64_t n1) { columns(x, T, D, wp, N, y, n0, n1); });
@@ -273,11 +279,30 @@ void check_experts(int64_t D, const at::Tensor& gate_up, const at::Tensor& down)
 
 // Routed SwiGLU experts for a few tokens: out[t] += sum_j wts[t, j] * expert_{ids[t, j]}(x[t]).
 // Reads each chosen expert's weights once, in place (no gather), both products split over threads.
+// rows [0, P) of act [P, I] = silu(h[:, :I]) * h[:, I:], h [P, 2I].
+void silu_mul_rows(const float* h, int64_t P, int64_t I, float* act) {
+  at::parallel_for(0, P, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {
+      const float *gate = h + s * 2 * I, *up = gate + I;
+      float* a = act + s * I;
+      int64_t i = 0;
+      for (; i + LANES <= I; i += LANES) {
+        const vf g = load(gate + i);
+        store(a + i, g / (1.f + vexp_any(-g)) * load(up + i));
+      }
+      for (; i < I; ++i) a[i] = silu(gate[i]) * up[i];
+    }
+  });
+}
+
+// Routed SwiGLU experts: out[t] += sum_j wts[t, j] * expert_{ids[t, j]}(x[t]). Experts with few
+// rows read their weights once, in place (no gather), grouped in one pass over the threads;
+// float32 experts with many rows (prefill) go to MKL one by one.
 void routed_into(const float* xp, int64_t T, int64_t D, const int64_t* idp, const float* wp, int64_t k,
                  const at::Tensor& gate_up, const at::Tensor& down, float* op) {
   const int64_t E = gate_up.size(0), I2 = gate_up.size(2), I = I2 / 2, P = T * k;
-  // Counting sort of the T*k (token, expert) pairs by expert: expert e owns pairs start[e]:start[e+1].
-  std::vector<int64_t> start(E + 1, 0), token(P), pair_of(P);
+  // Counting sort of the T*k (token, expert) pairs by expert: expert e owns rows start[e]:start[e+1].
+  std::vector<int64_t> start(E + 1, 0), token(P), row_of(P);
   for (int64_t p = 0; p < P; ++p) {
     TORCH_CHECK(idp[p] >= 0 && idp[p] < E, "moe: expert id ", idp[p], " out of range [0, ", E, ")");
     ++start[idp[p] + 1];
@@ -287,40 +312,64 @@ void routed_into(const float* xp, int64_t T, int64_t D, const int64_t* idp, cons
   for (int64_t p = 0; p < P; ++p) {
     const int64_t s = fill[idp[p]]++;
     token[s] = p / k;
-    pair_of[s] = p;
+    row_of[p] = s;
   }
-  std::vector<int64_t> active;  // experts with rows
-  for (int64_t e = 0; e < E; ++e)
-    if (start[e + 1] > start[e]) active.push_back(e);
-  const int64_t A = static_cast<int64_t>(active.size());
+  const bool mkl = gate_up.scalar_type() == at::kFloat;
+  std::vector<int64_t> few, many;  // experts with rows, by how many
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t rows = start[e + 1] - start[e];
+    if (rows > 0) (mkl && rows > FEW_ROWS ? many : few).push_back(e);
+  }
 
-  std::vector<float> xs(P * D), h(P * I2), act(P * I), ys(P * D);
-  float *xsp = xs.data(), *hp = h.data(), *ap = act.data(), *yp = ys.data();
-  for (int64_t s = 0; s < P; ++s) std::memcpy(xsp + s * D, xp + token[s] * D, D * sizeof(float));
-
+  // Scratch from ATen's allocator: uninitialised (a zeroed std::vector costs a memset of ~18 MB at 512 tokens).
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor xs = at::empty({P, D}, f32), h = at::empty({P, I2}, f32), act = at::empty({P, I}, f32);
+  at::Tensor ys = at::empty({P, D}, f32);
+  float *xsp = xs.data_ptr<float>(), *hp = h.data_ptr<float>(), *ap = act.data_ptr<float>(), *yp = ys.data_ptr<float>();
+  at::parallel_for(0, P, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) std::memcpy(xsp + s * D, xp + token[s] * D, D * sizeof(float));
+  });
+  for (int64_t e : many) {
+    const int64_t s0 = start[e], rows = start[e + 1] - s0;
+    at::Tensor he = at::from_blob(hp + s0 * I2, {rows, I2}, at::kFloat);
+    at::mm_out(he, at::from_blob(xsp + s0 * D, {rows, D}, at::kFloat), gate_up.select(0, e));
+  }
   with_weight_type(gate_up, [&](auto* gup) {
     using W = std::remove_cv_t<std::remove_pointer_t<decltype(gup)>>;
-    const W* dp = reinterpret_cast<const W*>(down.data_ptr());
-    parallel_columns(A, I2, Tiling<W>::COLS, [&](int64_t g, int64_t n0, int64_t n1) {
-      const int64_t e = active[g], s0 = start[e], rows = start[e + 1] - s0;
+    parallel_columns(static_cast<int64_t>(few.size()), I2, Tiling<W>::COLS, [&](int64_t g, int64_t n0, int64_t n1) {
+      const int64_t e = few[g], s0 = start[e], rows = start[e + 1] - s0;
       columns(xsp + s0 * D, rows, D, gup + e * D * I2, I2, hp + s0 * I2, n0, n1);
     });
-    for (int64_t s = 0; s < P; ++s)
-      for (int64_t i = 0; i < I; ++i) ap[s * I + i] = silu(hp[s * I2 + i]) * hp[s * I2 + I + i];
-    parallel_columns(A, D, Tiling<W>::COLS, [&](int64_t g, int64_t n0, int64_t n1) {
-      const int64_t e = active[g], s0 = start[e], rows = start[e + 1] - s0;
+  });
+  silu_mul_rows(hp, P, I, ap);
+  for (int64_t e : many) {
+    const int64_t s0 = start[e], rows = start[e + 1] - s0;
+    at::Tensor ye = at::from_blob(yp + s0 * D, {rows, D}, at::kFloat);
+    at::mm_out(ye, at::from_blob(ap + s0 * I, {rows, I}, at::kFloat), down.select(0, e));
+  }
+  with_weight_type(down, [&](auto* dp) {
+    using W = std::remove_cv_t<std::remove_pointer_t<decltype(dp)>>;
+    parallel_columns(static_cast<int64_t>(few.size()), D, Tiling<W>::COLS, [&](int64_t g, int64_t n0, int64_t n1) {
+      const int64_t e = few[g], s0 = start[e], rows = start[e + 1] - s0;
       columns(ap + s0 * I, rows, I, dp + e * I * D, D, yp + s0 * D, n0, n1);
     });
   });
-  for (int64_t s = 0; s < P; ++s) {
-    const float wgt = wp[pair_of[s]];
-    float* o = op + token[s] * D;
-    const float* y = yp + s * D;
-    for (int64_t d = 0; d < D; ++d) o[d] += wgt * y[d];
-  }
+  // Back to the tokens: each output row is written by one thread only.
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* o = op + t * D;
+      for (int64_t j = 0; j < k; ++j) {
+        const float wgt = wp[t * k + j];
+        const float* y = yp + row_of[t * k + j] * D;
+        int64_t d = 0;
+        for (; d + LANES <= D; d += LANES) store(o + d, load(o + d) + wgt * load(y + d));
+        for (; d < D; ++d) o[d] += wgt * y[d];
+      }
+    }
+  });
 }
 
-// A whole sparse-MoE feed-forward for a few tokens:
+// A whole sparse-MoE feed-forward:
 //   [router E | shared gate 1 | shared gate_up 2Is] = x @ gate_in;  probs = softmax(router);
 //   top_k experts (weights renormalised if norm_topk); out = routed + sigmoid(shared gate) *
 //   (silu(shared gate) * shared up) @ shared_down.
@@ -338,37 +387,50 @@ at::Tensor moe_block(const at::Tensor& x_in, const at::Tensor& gate_in, const at
   TORCH_CHECK(top_k >= 1 && top_k <= E, "moe_block: top_k ", top_k, " must be in 1..", E);
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   const float* xp = x.data_ptr<float>();
-  std::vector<float> r(T * G), act(T * Is), shared(T * D), wts(T * top_k);
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor r_t = at::empty({T, G}, f32), act_t = at::empty({T, Is}, f32), shared_t = at::empty({T, D}, f32);
+  float *r = r_t.data_ptr<float>(), *act = act_t.data_ptr<float>(), *shared = shared_t.data_ptr<float>();
+  std::vector<float> wts(T * top_k);
   std::vector<int64_t> ids(T * top_k);
-  matmul_into(xp, T, D, gate_in, r.data());
-  for (int64_t t = 0; t < T; ++t) {
-    const float* logits = r.data() + t * G;
-    float mx = logits[0];
-    for (int64_t e = 1; e < E; ++e) mx = std::max(mx, logits[e]);
+  matmul_into(xp, T, D, gate_in, r);
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> probs(E);
-    float sum = 0.f;
-    for (int64_t e = 0; e < E; ++e) sum += (probs[e] = std::exp(logits[e] - mx));
-    for (int64_t e = 0; e < E; ++e) probs[e] /= sum;
     std::vector<int64_t> order(E);
-    for (int64_t e = 0; e < E; ++e) order[e] = e;
-    std::partial_sort(order.begin(), order.begin() + top_k, order.end(),
-                      [&](int64_t a, int64_t b) { return probs[a] > probs[b] || (probs[a] == probs[b] && a < b); });
-    float chosen = 0.f;
-    for (int64_t j = 0; j < top_k; ++j) chosen += probs[order[j]];
-    for (int64_t j = 0; j < top_k; ++j) {
-      ids[t * top_k + j] = order[j];
-      wts[t * top_k + j] = norm_topk ? probs[order[j]] / chosen : probs[order[j]];
+    for (int64_t t = begin; t < end; ++t) {
+      const float* logits = r + t * G;
+      float mx = logits[0];
+      for (int64_t e = 1; e < E; ++e) mx = std::max(mx, logits[e]);
+      float sum = 0.f;
+      for (int64_t e = 0; e < E; ++e) sum += (probs[e] = std::exp(logits[e] - mx));
+      for (int64_t e = 0; e < E; ++e) probs[e] /= sum;
+      for (int64_t e = 0; e < E; ++e) order[e] = e;
+      std::partial_sort(order.begin(), order.begin() + top_k, order.end(), [&](int64_t a, int64_t b) {
+        return probs[a] > probs[b] || (probs[a] == probs[b] && a < b);
+      });
+      float chosen = 0.f;
+      for (int64_t j = 0; j < top_k; ++j) chosen += probs[order[j]];
+      for (int64_t j = 0; j < top_k; ++j) {
+        ids[t * top_k + j] = order[j];
+        wts[t * top_k + j] = norm_topk ? probs[order[j]] / chosen : probs[order[j]];
+      }
     }
-    const float* sg = logits + E + 1;
-    for (int64_t i = 0; i < Is; ++i) act[t * Is + i] = silu(sg[i]) * sg[Is + i];
-  }
-  matmul_into(act.data(), T, Is, shared_down, shared.data());
+  });
+  // Shared expert: its gate_up columns sit in r after the router and the shared gate.
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* sg = r + t * G + E + 1;
+      for (int64_t i = 0; i < Is; ++i) act[t * Is + i] = silu(sg[i]) * sg[Is + i];
+    }
+  });
+  matmul_into(act, T, Is, shared_down, shared);
   at::Tensor out = at::empty({T, D}, x.options());
   float* op = out.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t) {
-    const float gate = sigmoid(r[t * G + E]);
-    for (int64_t d = 0; d < D; ++d) op[t * D + d] = gate * shared[t * D + d];
-  }
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float gate = sigmoid(r[t * G + E]);
+      for (int64_t d = 0; d < D; ++d) op[t * D + d] = gate * shared[t * D + d];
+    }
+  });
   routed_into(xp, T, D, ids.data(), wts.data(), top_k, gate_up, down, op);
   return out;
 }
