@@ -20,6 +20,7 @@ import functools
 import hashlib
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,7 @@ def _cpu_tag() -> str:
 def kernels() -> Any | None:
     """`torch.ops.hybridkv` once built and loaded, or None (the build failed: logged once)."""
     log.info("building or loading the C++ kernels (%s)", SOURCE.name)
+    start = time.perf_counter()
     try:
         import ninja  # the PyPI package: its binary may not be on PATH when the venv is not activated
         from torch.utils import cpp_extension
@@ -69,6 +71,8 @@ def kernels() -> Any | None:
     except Exception as exc:  # no compiler, no ninja, unsupported platform: the PyTorch path still works
         log.warning("hybridkv C++ kernels unavailable, using the PyTorch path (slower decode and prefill): %s", exc)
         return None
+    if (seconds := time.perf_counter() - start) > 2:  # a build, not a load from the cache
+        log.warning("built hybridkv's C++ kernels for this CPU in %.0f s (once: they are cached)", seconds)
     return torch.ops.hybridkv
 
 
@@ -191,8 +195,6 @@ def attention_decode(
 
 def main() -> int:
     """Build (or find) the kernels now; 1 if they cannot be built (`make test` runs this first)."""
-    import time
-
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     start = time.perf_counter()
     if kernels() is None:
