@@ -249,7 +249,9 @@ void matmul_into(const float* x, int64_t T, int64_t D, const at::Tensor& w, floa
   }
   if (T == 1 && N >= WIDE) return matmul_row_split_depth(x, D, w, y);
   with_weight_type(w, [&](auto* wp) {
-    parallel_columns(1, N, Tiling<std::remove_cv_t<std::remove_pointer_t<decltype(wp)>>>::COLS, [&](int64_t, int64_t n0, int64_t n1) { columns(x, T, D, wp, N, y, n0, n1); });
+    using W = std::remove_cv_t<std::remove_pointer_t<decltype(wp)>>;
+    parallel_columns(1, N, Tiling<W>::COLS,
+                     [&](int64_t, int64_t n0, int64_t n1) { columns(x, T, D, wp, N, y, n0, n1); });
   });
 }
 
@@ -527,7 +529,8 @@ at::Tensor gdn_forward(const at::Tensor& mixed_in, const at::Tensor& conv_weight
   const at::Tensor mixed = mixed_in.to(at::kFloat).contiguous();
   const at::Tensor conv_weight = conv_weight_in.to(at::kFloat).contiguous();
   const at::Tensor slots = slots_in.to(at::kLong).contiguous(), cu = cu_seqlens_in.to(at::kLong).contiguous();
-  const at::Tensor snap_tokens = snap_tokens_in.to(at::kLong).contiguous(), snap_ids = snap_ids_in.to(at::kLong).contiguous();
+  const at::Tensor snap_tokens = snap_tokens_in.to(at::kLong).contiguous();
+  const at::Tensor snap_ids = snap_ids_in.to(at::kLong).contiguous();
   const at::Tensor a_log = A_log.to(at::kFloat).contiguous(), bias = dt_bias.to(at::kFloat).contiguous();
   const at::Tensor nw = norm_weight.to(at::kFloat).contiguous();
   const int64_t N = slots.numel(), S = snap_tokens.numel();
@@ -623,7 +626,8 @@ at::Tensor gdn_forward(const at::Tensor& mixed_in, const at::Tensor& conv_weight
           delta_step_vec(Sh, q, k, v, beta, decay, dk, dv, o.data());
         else
           delta_step(Sh, q, k, v, beta, decay, dk, dv, u.data(), o.data());
-        for (; p < S && stok[p] == t; ++p) std::memcpy(sdp + ((sid[p] * Hv) + h) * dk * dv, Sh, dk * dv * sizeof(float));
+        for (; p < S && stok[p] == t; ++p)
+          std::memcpy(sdp + ((sid[p] * Hv) + h) * dk * dv, Sh, dk * dv * sizeof(float));
         gated_rms_norm(o.data(), x + C + h * dv, nwp, static_cast<float>(eps), dv, op + t * Hv * dv + h * dv);
       }
     }
