@@ -331,31 +331,24 @@ void routed_into(const float* xp, int64_t T, int64_t D, const int64_t* idp, cons
   at::parallel_for(0, P, 64, [&](int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; ++s) std::memcpy(xsp + s * D, xp + token[s] * D, D * sizeof(float));
   });
-  for (int64_t e : many) {
-    const int64_t s0 = start[e], rows = start[e + 1] - s0;
-    at::Tensor he = at::from_blob(hp + s0 * I2, {rows, I2}, at::kFloat);
-    at::mm_out(he, at::from_blob(xsp + s0 * D, {rows, D}, at::kFloat), gate_up.select(0, e));
-  }
-  with_weight_type(gate_up, [&](auto* gup) {
-    using W = std::remove_cv_t<std::remove_pointer_t<decltype(gup)>>;
-    parallel_columns(static_cast<int64_t>(few.size()), I2, Tiling<W>::COLS, [&](int64_t g, int64_t n0, int64_t n1) {
-      const int64_t e = few[g], s0 = start[e], rows = start[e + 1] - s0;
-      columns(xsp + s0 * D, rows, D, gup + e * D * I2, I2, hp + s0 * I2, n0, n1);
+  // Each expert's rows of out [P, N] = its rows of in [P, K] @ weight[e] [K, N].
+  auto expert_products = [&](const float* in, int64_t K, const at::Tensor& weight, int64_t N, float* out) {
+    for (int64_t e : many) {
+      const int64_t s0 = start[e], rows = start[e + 1] - s0;
+      at::Tensor out_e = at::from_blob(out + s0 * N, {rows, N}, at::kFloat);
+      at::mm_out(out_e, at::from_blob(const_cast<float*>(in) + s0 * K, {rows, K}, at::kFloat), weight.select(0, e));
+    }
+    with_weight_type(weight, [&](auto* wp) {
+      using W = std::remove_cv_t<std::remove_pointer_t<decltype(wp)>>;
+      parallel_columns(static_cast<int64_t>(few.size()), N, Tiling<W>::COLS, [&](int64_t g, int64_t n0, int64_t n1) {
+        const int64_t e = few[g], s0 = start[e], rows = start[e + 1] - s0;
+        columns(in + s0 * K, rows, K, wp + e * K * N, N, out + s0 * N, n0, n1);
+      });
     });
-  });
+  };
+  expert_products(xsp, D, gate_up, I2, hp);
   silu_mul_rows(hp, P, I, ap);
-  for (int64_t e : many) {
-    const int64_t s0 = start[e], rows = start[e + 1] - s0;
-    at::Tensor ye = at::from_blob(yp + s0 * D, {rows, D}, at::kFloat);
-    at::mm_out(ye, at::from_blob(ap + s0 * I, {rows, I}, at::kFloat), down.select(0, e));
-  }
-  with_weight_type(down, [&](auto* dp) {
-    using W = std::remove_cv_t<std::remove_pointer_t<decltype(dp)>>;
-    parallel_columns(static_cast<int64_t>(few.size()), D, Tiling<W>::COLS, [&](int64_t g, int64_t n0, int64_t n1) {
-      const int64_t e = few[g], s0 = start[e], rows = start[e + 1] - s0;
-      columns(ap + s0 * I, rows, I, dp + e * I * D, D, yp + s0 * D, n0, n1);
-    });
-  });
+  expert_products(ap, I, down, D, yp);
   // Back to the tokens: each output row is written by one thread only.
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -636,7 +629,6 @@ at::Tensor gdn_forward(const at::Tensor& mixed_in, const at::Tensor& conv_weight
 }
 
 
-inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 inline void to_float(const at::BFloat16* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
@@ -718,15 +710,18 @@ at::Tensor attention_decode_impl(const at::Tensor& qkv, const at::Tensor& q_norm
       const int64_t* blocks = table + n * max_blocks;
       scores.resize(group * L);
       const float* qg = qp + (n * H + g * group) * hd;
-      for (int64_t p = 0; p < L; ++p) {
-        const KV* kr = kp + ((blocks[p / bs] * bs + p % bs) * Hkv + g) * hd;
-        const float* k;
+      // Position p's row of a pool as float32: in place, or widened into `kv` (bfloat16).
+      auto row = [&](const KV* pool, int64_t p) -> const float* {
+        const KV* r = pool + ((blocks[p / bs] * bs + p % bs) * Hkv + g) * hd;
         if constexpr (std::is_same_v<KV, float>) {
-          k = kr;
+          return r;
         } else {
-          to_float(kr, kv.data(), hd);
-          k = kv.data();
+          to_float(r, kv.data(), hd);
+          return kv.data();
         }
+      };
+      for (int64_t p = 0; p < L; ++p) {
+        const float* k = row(kp, p);
         for (int64_t j = 0; j < group; ++j) scores[j * L + p] = sc * dot(qg + j * hd, k, hd);
       }
       for (int64_t j = 0; j < group; ++j) {
@@ -747,12 +742,11 @@ at::Tensor attention_decode_impl(const at::Tensor& qkv, const at::Tensor& q_norm
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t p = 0; p < L; ++p) {
-        const KV* vr = vp + ((blocks[p / bs] * bs + p % bs) * Hkv + g) * hd;
-        to_float(vr, kv.data(), hd);
+        const float* v = row(vp, p);
         for (int64_t j = 0; j < group; ++j) {
           const float w = scores[j * L + p];
           float* a = acc.data() + j * hd;
-          for (int64_t i = 0; i < hd; ++i) a[i] += w * kv[i];
+          for (int64_t i = 0; i < hd; ++i) a[i] += w * v[i];
         }
       }
       for (int64_t j = 0; j < group; ++j) {
