@@ -12,9 +12,8 @@ import torch
 
 from hybridkv.cache.config import CacheConfig, CacheSpec, PoolSizes
 from hybridkv.cache.hybrid import HybridCache
-from hybridkv.models.config import ModelConfig
-from hybridkv.models.qwen3_next import Qwen3NextModel, load_model
-from hybridkv.models.weights import check_memory_fit, checkpoint_nbytes
+from hybridkv.models import ModelConfig, Qwen3NextModel, load_model, read_checkpoint, weights_nbytes
+from hybridkv.models.weights import check_memory_fit
 from hybridkv.ops import native
 
 LogitsMode = Literal["all", "last", "none"]
@@ -70,12 +69,12 @@ class CachedModel:
 
             model_dir = default_model_dir()
         cache = cache or CacheConfig()
-        config = ModelConfig.from_dir(model_dir)
+        config, _ = read_checkpoint(model_dir)
         sizes = PoolSizes.plan(cache_spec(config, dtype), cache)
-        check_memory_fit(checkpoint_nbytes(model_dir, dtype), sizes.total_bytes)
+        check_memory_fit(weights_nbytes(model_dir, dtype), sizes.total_bytes)
         model = load_model(model_dir, dtype)
         native.enabled()  # the C++ kernels built (first time on this machine, ~10 s) or loaded now, not mid-request
-        return cls(model, config, cache, dtype)
+        return cls(model, model.config, cache, dtype)
 
     @property
     def vocab_size(self) -> int:

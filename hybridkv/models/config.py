@@ -1,13 +1,21 @@
 """`ModelConfig`: a checkpoint's config.json, checked and reduced to what the forward pass needs.
 
-Both config styles of Hugging Face Qwen3-Next checkpoints are accepted:
+Two families, found by `model_type`:
 
-    old (released checkpoints):  top-level rope_theta, partial_rotary_factor, rope_scaling,
+    qwen3_next                      Qwen3NextForCausalLM, flat config
+    qwen3_5, qwen3_5_moe            Qwen3_5[Moe]ForConditionalGeneration (vision-language): the
+                                    decoder's keys nested in `text_config`; the vision tower ignored
+    qwen3_5_text, qwen3_5_moe_text  Qwen3_5[Moe]ForCausalLM (text-only fine-tunes), flat config
+
+Both config styles of Hugging Face checkpoints are accepted:
+
+    old (released Qwen3-Next):   top-level rope_theta, partial_rotary_factor, rope_scaling,
                                  full_attention_interval
     new (transformers >= 5):     rope_parameters {rope_type, rope_theta, partial_rotary_factor},
                                  layer_types ["linear_attention" | "full_attention", ...]
 
-Missing keys take the defaults of transformers' `Qwen3NextConfig` (head_dim 256, not hidden/heads).
+Missing keys take the defaults of transformers' config class of the family (`Qwen3NextConfig`,
+`Qwen3_5TextConfig`, `Qwen3_5MoeTextConfig`; head_dim 256, not hidden/heads).
 """
 
 from __future__ import annotations
@@ -22,8 +30,27 @@ from hybridkv.errors import NotSupported
 
 LayerKind = Literal["linear", "attention"]
 
-SUPPORTED_MODEL_TYPES = ("qwen3_next",)
-SUPPORTED_ARCHITECTURES = ("Qwen3NextForCausalLM",)
+Family = Literal["qwen3_next", "qwen3_5"]
+
+
+@dataclass(frozen=True, slots=True)
+class _ModelType:
+    family: Family
+    architectures: tuple[str, ...]  # the classes a config.json of this type may name
+    nested: bool  # decoder keys under `text_config` (vision-language wrapper)
+    moe: bool
+
+
+_QWEN3_5_VLM = ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM")
+_QWEN3_5_MOE_VLM = ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM")
+MODEL_TYPES: dict[str, _ModelType] = {
+    "qwen3_next": _ModelType("qwen3_next", ("Qwen3NextForCausalLM",), nested=False, moe=True),
+    "qwen3_5": _ModelType("qwen3_5", _QWEN3_5_VLM, nested=True, moe=False),
+    "qwen3_5_moe": _ModelType("qwen3_5", _QWEN3_5_MOE_VLM, nested=True, moe=True),
+    "qwen3_5_text": _ModelType("qwen3_5", ("Qwen3_5ForCausalLM",), nested=False, moe=False),
+    "qwen3_5_moe_text": _ModelType("qwen3_5", ("Qwen3_5MoeForCausalLM",), nested=False, moe=True),
+}
+SUPPORTED_MODEL_TYPES = tuple(MODEL_TYPES)
 
 # transformers' Qwen3NextConfig defaults, for keys a config.json may leave out.
 _DEFAULTS: dict[str, Any] = {
@@ -53,7 +80,28 @@ _DEFAULTS: dict[str, Any] = {
     "num_experts_per_tok": 10,
     "num_experts": 512,
     "norm_topk_prob": True,
+    "mlp_only_layers": (),
 }
+
+# Qwen3_5TextConfig / Qwen3_5MoeTextConfig differ from Qwen3NextConfig in these (transformers 5.24).
+_QWEN3_5_DEFAULTS = {
+    **_DEFAULTS,
+    "vocab_size": 248320,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 4,
+}
+_QWEN3_5_MOE_DEFAULTS = {
+    **_DEFAULTS,
+    "vocab_size": 248320,
+    "num_hidden_layers": 40,
+    "num_experts": 256,
+    "num_experts_per_tok": 8,
+}
+# Keys the Qwen3.5 families fix rather than read (transformers never reads them): MoE routing is
+# renormalised top-k in every layer, and dense models have no experts.
+_QWEN3_5_FIXED: dict[str, Any] = {"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": ()}
 
 _LAYER_TYPE_NAMES: dict[str, LayerKind] = {"linear_attention": "linear", "full_attention": "attention"}
 
@@ -95,6 +143,7 @@ class ModelConfig:
     norm_topk_prob: bool
     decoder_sparse_step: int
     mlp_only_layers: tuple[int, ...] = ()
+    family: Family = "qwen3_next"
     source: str = field(default="<dict>", compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -117,42 +166,47 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], source: str = "<dict>") -> ModelConfig:
         """Parse a config.json dict (old or new style); `source` names the file in error messages."""
-        model_type = raw.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        kind = MODEL_TYPES.get(raw.get("model_type"))  # type: ignore[arg-type]
+        if kind is None:
             raise NotSupported(
-                f"{source}: model_type {model_type!r} is not supported; hybridkv runs "
+                f"{source}: model_type {raw.get('model_type')!r} is not supported; hybridkv runs "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)} checkpoints"
             )
-        architectures = raw.get("architectures") or list(SUPPORTED_ARCHITECTURES)
-        if not set(architectures) & set(SUPPORTED_ARCHITECTURES):
+        architectures = raw.get("architectures") or list(kind.architectures)
+        if not set(architectures) & set(kind.architectures):
             raise NotSupported(
-                f"{source}: architectures {architectures} not supported; hybridkv runs "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)} (a causal LM head)"
+                f"{source}: architectures {architectures} not supported for model_type {raw['model_type']!r}; "
+                f"hybridkv runs {', '.join(kind.architectures)}"
             )
-        quantization = raw.get("quantization_config")
-        if quantization is not None:
-            method = quantization.get("quant_method", "?") if isinstance(quantization, Mapping) else "?"
-            raise NotSupported(
-                f"{source}: quantized checkpoints (quantization_config, quant_method={method!r}) are not "
-                "supported; use an unquantized bf16/fp32 checkpoint"
-            )
+        _refuse_quantization(raw, source)
+        defaults, fixed = _DEFAULTS, {}
+        if kind.family == "qwen3_5":
+            defaults = _QWEN3_5_MOE_DEFAULTS if kind.moe else _QWEN3_5_DEFAULTS
+            fixed = {**_QWEN3_5_FIXED, **({} if kind.moe else {"num_experts": 0})}
+        if kind.nested:
+            # The wrapper's tie flag decides, as in transformers' VLM class (and the loader follows
+            # the file: a missing lm_head.weight means tied).
+            if raw.get("tie_word_embeddings") is not None:
+                fixed["tie_word_embeddings"] = raw["tie_word_embeddings"]
+            raw = _text_config(raw, source)
+            _refuse_quantization(raw, source)
 
         def get(key: str) -> Any:
-            value = raw.get(key)
-            return _DEFAULTS[key] if value is None else value
+            value = fixed.get(key, raw.get(key))
+            return defaults[key] if value is None else value
 
         if get("hidden_act") != "silu":
             raise NotSupported(f"{source}: hidden_act {raw['hidden_act']!r} not supported (only 'silu')")
         if get("attention_bias"):
-            raise NotSupported(f"{source}: attention_bias=true not supported (Qwen3-Next has no biases)")
+            raise NotSupported(f"{source}: attention_bias=true not supported (these models have no biases)")
 
-        rope_theta, partial_rotary_factor = _parse_rope(raw, source)
+        rope_theta, partial_rotary_factor = _parse_rope(raw, defaults, source)
         num_layers = int(get("num_hidden_layers"))
         return cls(
             vocab_size=int(get("vocab_size")),
             hidden_size=int(get("hidden_size")),
             num_hidden_layers=num_layers,
-            layer_kinds=_parse_layer_kinds(raw, num_layers, source),
+            layer_kinds=_parse_layer_kinds(raw, num_layers, defaults, source),
             rms_norm_eps=float(get("rms_norm_eps")),
             tie_word_embeddings=bool(get("tie_word_embeddings")),
             num_attention_heads=int(get("num_attention_heads")),
@@ -173,7 +227,8 @@ class ModelConfig:
             shared_expert_intermediate_size=int(get("shared_expert_intermediate_size")),
             norm_topk_prob=bool(get("norm_topk_prob")),
             decoder_sparse_step=int(get("decoder_sparse_step")),
-            mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
+            mlp_only_layers=tuple(int(i) for i in get("mlp_only_layers") or ()),
+            family=kind.family,
             source=source,
         )
 
@@ -274,8 +329,36 @@ class ModelConfig:
             raise ValueError(f"{where} intermediate_size must be > 0: some layers use the dense MLP")
 
 
-def _parse_rope(raw: Mapping[str, Any], source: str) -> tuple[float, float]:
-    """(rope_theta, partial_rotary_factor) from `rope_parameters` (new) or top-level keys (old)."""
+def _refuse_quantization(raw: Mapping[str, Any], source: str) -> None:
+    quantization = raw.get("quantization_config")
+    if quantization is not None:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, Mapping) else "?"
+        raise NotSupported(
+            f"{source}: quantized checkpoints (quantization_config, quant_method={method!r}) are not "
+            "supported; use an unquantized bf16/fp32 checkpoint"
+        )
+
+
+def _text_config(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """The decoder's keys of a vision-language config (its `text_config`)."""
+    text = raw.get("text_config")
+    if not isinstance(text, Mapping):
+        raise ValueError(
+            f"{source}: model_type {raw['model_type']!r} keeps the decoder's settings in a 'text_config' "
+            "object, and there is none; is this config.json complete?"
+        )
+    expected = f"{raw['model_type']}_text"
+    if text.get("model_type", expected) != expected:
+        raise NotSupported(f"{source}: text_config.model_type {text['model_type']!r}, expected {expected!r}")
+    return dict(text)
+
+
+def _parse_rope(raw: Mapping[str, Any], defaults: Mapping[str, Any], source: str) -> tuple[float, float]:
+    """(rope_theta, partial_rotary_factor) from `rope_parameters` (new) or top-level keys (old).
+
+    Qwen3.5's interleaved M-RoPE (`mrope_section`, `mrope_interleaved`) rotates three position
+    axes; for text they are all equal and it is exactly this 1-D partial RoPE.
+    """
     scaling = raw.get("rope_scaling")
     if scaling is not None:
         kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, Mapping) else scaling
@@ -293,19 +376,21 @@ def _parse_rope(raw: Mapping[str, Any], source: str) -> tuple[float, float]:
         for value in (params.get(key), raw.get(key)):
             if value is not None:
                 return float(value)
-        return float(_DEFAULTS[key])
+        return float(defaults[key])
 
     return pick("rope_theta"), pick("partial_rotary_factor")
 
 
-def _parse_layer_kinds(raw: Mapping[str, Any], num_layers: int, source: str) -> tuple[LayerKind, ...]:
+def _parse_layer_kinds(
+    raw: Mapping[str, Any], num_layers: int, defaults: Mapping[str, Any], source: str
+) -> tuple[LayerKind, ...]:
     layer_types = raw.get("layer_types")
     if layer_types is not None:
         unknown = sorted(set(layer_types) - set(_LAYER_TYPE_NAMES))
         if unknown:
             raise NotSupported(f"{source}: layer_types {unknown} not supported (only {sorted(_LAYER_TYPE_NAMES)})")
         return tuple(_LAYER_TYPE_NAMES[t] for t in layer_types)
-    interval = raw.get("full_attention_interval") or _DEFAULTS["full_attention_interval"]
+    interval = raw.get("full_attention_interval") or defaults["full_attention_interval"]
     if int(interval) < 1:
         raise ValueError(f"{source}: full_attention_interval must be >= 1, got {interval}")
     return tuple("attention" if (i + 1) % int(interval) == 0 else "linear" for i in range(num_layers))

@@ -21,7 +21,7 @@ decode, `native.gdn_forward`), and so does an attention layer's decode step (`na
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +29,7 @@ from torch import nn
 
 from hybridkv.cache.batch import ForwardBatch
 from hybridkv.models.config import ModelConfig
-from hybridkv.models.weights import COMPUTE_DTYPES, Checkpoint, Layout, Piece, WriteFn, load_weights
+from hybridkv.models.weights import COMPUTE_DTYPES, Layout, Piece, WriteFn
 from hybridkv.ops import native
 from hybridkv.ops.attention import paged_attention
 from hybridkv.ops.conv import causal_conv1d, causal_conv1d_step
@@ -279,11 +279,14 @@ def is_ignored(config: ModelConfig, name: str) -> bool:
     return name.startswith("mtp.") or (config.tie_word_embeddings and name == "lm_head.weight")
 
 
+LinearLayoutFn = Callable[[ModelConfig, str], Layout]
+
+
 def _zero_centred(param: torch.Tensor, w: torch.Tensor) -> None:
     param.copy_(1.0 + w.float())
 
 
-def _rows(start: int, stop: int) -> WriteFn:
+def rows(start: int, stop: int) -> WriteFn:
     def write(param: torch.Tensor, t: torch.Tensor) -> None:
         param[start:stop].copy_(t)
 
@@ -314,19 +317,25 @@ def checkpoint_layout(config: ModelConfig, names: set[str]) -> Layout:
     `mlp.experts.{e}.{gate,up,down}_proj.weight` or fused `mlp.experts.gate_up_proj [E, 2I, D]`
     (gate rows first) / `mlp.experts.down_proj [E, D, I]`.
     """
+    return decoder_layout(config, names, "model.", _linear_layout)
+
+
+def decoder_layout(config: ModelConfig, names: set[str], prefix: str, linear_layout: LinearLayoutFn) -> Layout:
+    """The layout of a Qwen3-Next-style decoder whose tensors are named `prefix` + `embed_tokens`,
+    `layers.N.…`, `norm`; `linear_layout(config, hf)` maps a Gated DeltaNet layer's tensors."""
     c = config
     D, V = c.hidden_size, c.vocab_size
     layout: Layout = {
-        "embed": [Piece("model.embed_tokens.weight", (V, D))],
-        "norm.weight": [Piece("model.norm.weight", (D,), _zero_centred)],
+        "embed": [Piece(prefix + "embed_tokens.weight", (V, D))],
+        "norm.weight": [Piece(prefix + "norm.weight", (D,), _zero_centred)],
     }
     if not c.tie_word_embeddings:
         layout["lm_head"] = _transposed([Piece("lm_head.weight", (V, D))])
     for i, kind in enumerate(c.layer_kinds):
-        ours, hf = f"layers.{i}.", f"model.layers.{i}."
+        ours, hf = f"layers.{i}.", f"{prefix}layers.{i}."
         layout[ours + "input_norm.weight"] = [Piece(hf + "input_layernorm.weight", (D,), _zero_centred)]
         layout[ours + "post_norm.weight"] = [Piece(hf + "post_attention_layernorm.weight", (D,), _zero_centred)]
-        mixer = _linear_layout(c, hf + "linear_attn.") if kind == "linear" else _attention_layout(c, hf + "self_attn.")
+        mixer = linear_layout(c, hf + "linear_attn.") if kind == "linear" else _attention_layout(c, hf + "self_attn.")
         ffn = _moe_layout(c, hf + "mlp.", names) if c.moe_layers[i] else _mlp_layout(c, hf + "mlp.")
         layout.update({ours + "mixer." + k: v for k, v in mixer.items()})
         layout.update({ours + "ffn." + k: v for k, v in ffn.items()})
@@ -334,13 +343,12 @@ def checkpoint_layout(config: ModelConfig, names: set[str]) -> Layout:
 
 
 def _linear_layout(c: ModelConfig, hf: str) -> Layout:
-    D, Hk, Hv, dk, dv, K = (
+    D, Hk, Hv, dk, dv = (
         c.hidden_size,
         c.linear_num_key_heads,
         c.linear_num_value_heads,
         c.linear_key_head_dim,
         c.linear_value_head_dim,
-        c.linear_conv_kernel_dim,
     )
     r, C = c.value_heads_per_key_head, c.conv_channels
 
@@ -356,16 +364,24 @@ def _linear_layout(c: ModelConfig, hf: str) -> Layout:
         param[C + Hv * dv : C + Hv * dv + Hv].copy_(b.reshape(Hv, D))
         param[C + Hv * dv + Hv :].copy_(a.reshape(Hv, D))
 
+    in_proj = [
+        Piece(hf + "in_proj_qkvz.weight", (2 * Hk * dk + 2 * Hv * dv, D), write_qkvz),
+        Piece(hf + "in_proj_ba.weight", (2 * Hv, D), write_ba),
+    ]
+    return gdn_layout(c, hf, in_proj)
+
+
+def gdn_layout(c: ModelConfig, hf: str, in_proj: list[Piece]) -> Layout:
+    """A Gated DeltaNet layer's layout, given the checkpoint pieces that fill `in_proj` (the one
+    place the families differ): each piece writes checkpoint rows of [q | k | v | z | b | a]."""
+    D, Hv, dv = c.hidden_size, c.linear_num_value_heads, c.linear_value_head_dim
+    C, K = c.conv_channels, c.linear_conv_kernel_dim
+
     def write_conv(param: torch.Tensor, t: torch.Tensor) -> None:
         param.copy_(t[:, 0, :])
 
     return {
-        "in_proj": _transposed(
-            [
-                Piece(hf + "in_proj_qkvz.weight", (2 * Hk * dk + 2 * Hv * dv, D), write_qkvz),
-                Piece(hf + "in_proj_ba.weight", (2 * Hv, D), write_ba),
-            ]
-        ),
+        "in_proj": _transposed(in_proj),
         "conv_weight": [Piece(hf + "conv1d.weight", (C, 1, K), write_conv)],
         "A_log": [Piece(hf + "A_log", (Hv,))],
         "dt_bias": [Piece(hf + "dt_bias", (Hv,))],
@@ -388,8 +404,8 @@ def _attention_layout(c: ModelConfig, hf: str) -> Layout:
         "qkv_proj": _transposed(
             [
                 Piece(hf + "q_proj.weight", (2 * H * hd, D), write_q),
-                Piece(hf + "k_proj.weight", (Hkv * hd, D), _rows(kv_start, kv_start + Hkv * hd)),
-                Piece(hf + "v_proj.weight", (Hkv * hd, D), _rows(kv_start + Hkv * hd, kv_start + 2 * Hkv * hd)),
+                Piece(hf + "k_proj.weight", (Hkv * hd, D), rows(kv_start, kv_start + Hkv * hd)),
+                Piece(hf + "v_proj.weight", (Hkv * hd, D), rows(kv_start + Hkv * hd, kv_start + 2 * Hkv * hd)),
             ]
         ),
         "q_norm.weight": [Piece(hf + "q_norm.weight", (hd,), _zero_centred)],
@@ -400,8 +416,8 @@ def _attention_layout(c: ModelConfig, hf: str) -> Layout:
 
 def _swiglu_layout(hf: str, I: int, D: int, first_row: int = 0) -> list[Piece]:
     return [
-        Piece(hf + "gate_proj.weight", (I, D), _rows(first_row, first_row + I)),
-        Piece(hf + "up_proj.weight", (I, D), _rows(first_row + I, first_row + 2 * I)),
+        Piece(hf + "gate_proj.weight", (I, D), rows(first_row, first_row + I)),
+        Piece(hf + "up_proj.weight", (I, D), rows(first_row + I, first_row + 2 * I)),
     ]
 
 
@@ -432,8 +448,8 @@ def _moe_layout(c: ModelConfig, hf: str, names: set[str]) -> Layout:
     else:
         down = [Piece(f"{experts}{e}.down_proj.weight", (D, I), _expert(e)) for e in range(E)]
     gate_in = [
-        Piece(hf + "gate.weight", (E, D), _rows(0, E)),
-        Piece(hf + "shared_expert_gate.weight", (1, D), _rows(E, E + 1)),
+        Piece(hf + "gate.weight", (E, D), rows(0, E)),
+        Piece(hf + "shared_expert_gate.weight", (1, D), rows(E, E + 1)),
         *_swiglu_layout(hf + "shared_expert.", Is, D, first_row=E + 1),
     ]
     return {
@@ -442,13 +458,3 @@ def _moe_layout(c: ModelConfig, hf: str, names: set[str]) -> Layout:
         "down": _transposed(down),
         "shared_down": _transposed([Piece(hf + "shared_expert.down_proj.weight", (D, Is))]),
     }
-
-
-def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Qwen3NextModel:
-    """Build a `Qwen3NextModel` from a Hugging Face checkpoint directory, weights cast to `dtype`."""
-    config = ModelConfig.from_dir(model_dir)
-    model = Qwen3NextModel(config, dtype)
-    checkpoint = Checkpoint(model_dir)
-    layout = checkpoint_layout(config, checkpoint.names)
-    load_weights(dict(model.named_parameters()), layout, checkpoint, lambda name: is_ignored(config, name))
-    return model.eval()

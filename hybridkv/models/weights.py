@@ -9,9 +9,10 @@ Files are memory-mapped, so peak memory is the model plus the one tensor being c
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,6 +119,9 @@ class Checkpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handles[self.file_of[name]].get_slice(name).get_shape())
 
+    def numel(self, name: str) -> int:
+        return math.prod(self.shape(name))
+
     def dtype_name(self, name: str) -> str:
         return self._handles[self.file_of[name]].get_slice(name).get_dtype()
 
@@ -198,21 +202,6 @@ class LoadProgress:
     def close(self) -> None:
         if self.enabled:
             sys.stderr.write("\n")
-
-
-def checkpoint_nbytes(model_dir: str | Path, dtype: torch.dtype, ignore: Iterable[str] = ("mtp.",)) -> int:
-    """Bytes the checkpoint's tensors occupy once cast to `dtype` (names starting with `ignore` skipped)."""
-    checkpoint = Checkpoint(model_dir)
-    prefixes = tuple(ignore)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    total = 0
-    for name in checkpoint.names:
-        if not name.startswith(prefixes):
-            numel = 1
-            for size in checkpoint.shape(name):
-                numel *= size
-            total += numel * itemsize
-    return total
 
 
 def available_memory() -> int:

@@ -16,8 +16,8 @@ from hybridkv.models import (
     MissingWeightsFile,
     WeightsError,
     check_memory_fit,
-    checkpoint_nbytes,
     load_model,
+    weights_nbytes,
 )
 
 Tensors = dict[str, torch.Tensor]
@@ -161,13 +161,13 @@ def test_only_float32_and_bfloat16_compute(tiny_checkpoint):
         load_model(tiny_checkpoint[1], torch.float16)
 
 
-def test_checkpoint_nbytes_counts_the_compute_dtype(tiny_checkpoint, tmp_path):
+def test_weights_nbytes_counts_the_compute_dtype(tiny_checkpoint, tmp_path):
     hf, path = tiny_checkpoint
     n_params = sum(p.numel() for p in hf.parameters())  # untied: lm_head counted once
-    assert checkpoint_nbytes(path, torch.float32) == 4 * n_params
-    assert checkpoint_nbytes(path, torch.bfloat16) == 2 * n_params
+    assert weights_nbytes(path, torch.float32) == 4 * n_params
+    assert weights_nbytes(path, torch.bfloat16) == 2 * n_params
     tensors = {**read_tensors(path), "mtp.fc.weight": torch.ones(64, 128)}
-    assert checkpoint_nbytes(write_checkpoint(path, tmp_path / "ckpt", tensors), torch.float32) == 4 * n_params
+    assert weights_nbytes(write_checkpoint(path, tmp_path / "ckpt", tensors), torch.float32) == 4 * n_params
 
 
 def test_check_memory_fit_refuses_with_the_numbers():
