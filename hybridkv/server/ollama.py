@@ -34,6 +34,7 @@ from hybridkv.engine.sampling import MAX_LOGPROBS, SamplingParams
 from hybridkv.server.fields import Fields, bad
 from hybridkv.server.generation import EventStream, Generation
 from hybridkv.server.parsing import Content, OutputParser, Piece, Reasoning, ToolCall, merge
+from hybridkv.server.tool_calls import tool_schemas
 
 NEVER_EXPIRES = "2318-11-26T00:00:00Z"  # what Ollama reports for a model kept loaded forever
 # How the model is loaded or run: no effect on what it outputs.
@@ -221,7 +222,12 @@ async def chat(request: Request) -> Response:
     ids, hints = await state.encode_chat(messages, tools, **_think_kwargs(think))
     params = options.params(len(ids), state.max_model_len)
     generation = state.submit([(ids, hints, params)])
-    parse = {"reasoning": state.opens_thinking(ids), "tools": tools is not None, "think": think is not False}
+    parse = {
+        "reasoning": state.opens_thinking(ids),
+        "tools": tools is not None,
+        "think": think is not False,
+        "schemas": tool_schemas(tools),
+    }
     reply = _Reply(state, generation, started, options.logprobs is not None, parse, chat=True)
     if stream:
         return EventStream(reply.chunks(), generation, "application/x-ndjson")
@@ -266,7 +272,7 @@ class _Reply:
     """Builds the NDJSON chunks or the single answer of a generate or chat request."""
 
     def __init__(
-        self, state: Any, generation: Generation, started: float, logprobs: bool, parse: dict[str, bool], chat: bool
+        self, state: Any, generation: Generation, started: float, logprobs: bool, parse: dict[str, Any], chat: bool
     ) -> None:
         self.state = state
         self.generation = generation

@@ -30,6 +30,7 @@ from hybridkv.engine.sampling import MAX_LOGPROBS, SamplingParams
 from hybridkv.server.fields import Fields, bad
 from hybridkv.server.generation import EventStream, Generation
 from hybridkv.server.parsing import Content, OutputParser, Piece, Reasoning, ToolCall, merge
+from hybridkv.server.tool_calls import tool_schemas
 
 HARMLESS = frozenset({"user", "metadata", "service_tier", "safety_identifier", "prompt_cache_key"})
 MAX_PROMPTS = 64
@@ -273,7 +274,7 @@ async def chat_completions(request: Request) -> Response:
     if options.max_tokens is None:
         params = dataclasses.replace(params, max_tokens=max(1, state.max_model_len - len(ids)))
     generation = state.submit([(ids, hints, params)])
-    parse = {"reasoning": state.opens_thinking(ids), "tools": tools is not None}
+    parse = {"reasoning": state.opens_thinking(ids), "tools": tools is not None, "schemas": tool_schemas(tools)}
     reply = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time())}
     reply["model"] = state.model_id
     if options.stream:
@@ -351,7 +352,7 @@ def _tool_call_in(where: str, call: object) -> dict[str, Any]:
     return {"type": "function", "id": fields.data.get("id"), "function": {"name": name, "arguments": arguments}}
 
 
-def chat_choice(state: Any, completion: Completion, logprobs: bool, parse: dict[str, bool]) -> dict[str, Any]:
+def chat_choice(state: Any, completion: Completion, logprobs: bool, parse: dict[str, Any]) -> dict[str, Any]:
     """One choice of a chat answer: content, `reasoning_content` and `tool_calls` (arguments as a
     JSON string) split out of the generated text; finish reason "tool_calls" when it called any."""
     parser = OutputParser(**parse)
@@ -389,7 +390,7 @@ def _chat_logprobs(state: Any, logprobs: Sequence[Any]) -> list[dict[str, Any]]:
 
 
 async def _chat_chunks(
-    state: Any, generation: Generation, options: Options, reply: dict[str, Any], parse: dict[str, bool]
+    state: Any, generation: Generation, options: Options, reply: dict[str, Any], parse: dict[str, Any]
 ) -> AsyncIterator[str]:
     n = options.params.n
     parsers = [OutputParser(**parse) for _ in range(n)]

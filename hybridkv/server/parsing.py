@@ -1,20 +1,22 @@
 """Splitting a chat answer into content, reasoning (`<think>…</think>`) and tool calls
-(`<tool_call>{"name": …, "arguments": …}</tool_call>`), as it streams.
+(`<tool_call>…</tool_call>`, JSON or XML body: see `tool_calls`), as it streams.
 
     text ──push──> OutputParser ──> [Content("…"), Reasoning("…"), ToolCall(name, arguments), …]
 
 Text that might be the start of a tag is held back until the next piece tells; whitespace
 between a tag and its neighbours is dropped (the template puts newlines there), all other text
-comes out exactly as generated. A `<tool_call>` block whose body is not a JSON object with a
-string "name" stays in the content, unchanged, as vLLM and Ollama leave it.
+comes out exactly as generated. A tool call comes out whole once its `</tool_call>` arrives, so a
+streamed answer splits exactly as the finished one. A `<tool_call>` block whose body is neither
+form stays in the content, unchanged, as vLLM and Ollama leave it.
 """
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
+
+from hybridkv.server.tool_calls import ToolSchemas, parse_call
 
 THINK, END_THINK = "<think>", "</think>"
 TOOL, END_TOOL = "<tool_call>", "</tool_call>"
@@ -44,12 +46,16 @@ class OutputParser:
     """`push(text)` returns the pieces that are certain so far; `finish()` the rest.
 
     `reasoning=True` starts inside a think block (the prompt ended with `<think>`, as Qwen3
-    thinking templates do). `tools=False` leaves `<tool_call>` text in the content.
+    thinking templates do). `tools=False` leaves `<tool_call>` text in the content. `schemas`
+    (function name -> parameters schema, from `tool_calls.tool_schemas`) types XML arguments.
     """
 
-    def __init__(self, reasoning: bool = False, tools: bool = True, think: bool = True) -> None:
+    def __init__(
+        self, reasoning: bool = False, tools: bool = True, think: bool = True, schemas: ToolSchemas | None = None
+    ) -> None:
         self.state = "reasoning" if reasoning else "content"
         self.tools = tools
+        self.schemas = schemas
         self.think = think
         self.buffer = ""
         self.held_space = ""  # whitespace withheld until we know whether a tag follows it
@@ -134,34 +140,24 @@ class OutputParser:
         return Reasoning(text) if self.state == "reasoning" else Content(text)
 
     def _tool_call(self, body: str) -> Piece:
-        call = parse_tool_call(body)
+        call = parse_tool_call(body, self.schemas)
         if call is None:
             return Content(f"{TOOL}{body}{END_TOOL}")
         self.tool_calls += 1
         return call
 
 
-def parse_tool_call(body: str) -> ToolCall | None:
-    try:
-        data = json.loads(body)
-    except (ValueError, RecursionError):
-        return None
-    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
-        return None
-    arguments = data.get("arguments", data.get("parameters", {}))
-    if isinstance(arguments, str):  # some models write the arguments as a JSON string
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            return None
-    if not isinstance(arguments, dict):
-        return None
-    return ToolCall(data["name"], arguments)
+def parse_tool_call(body: str, schemas: ToolSchemas | None = None) -> ToolCall | None:
+    """The call in the body of a `<tool_call>` block, JSON or XML; None when it is neither."""
+    call = parse_call(body, schemas)
+    return None if call is None else ToolCall(*call)
 
 
-def split_output(text: str, reasoning: bool = False, tools: bool = True, think: bool = True) -> list[Piece]:
+def split_output(
+    text: str, reasoning: bool = False, tools: bool = True, think: bool = True, schemas: ToolSchemas | None = None
+) -> list[Piece]:
     """All pieces of a finished output, merged: what a non-streaming answer reports."""
-    parser = OutputParser(reasoning, tools, think)
+    parser = OutputParser(reasoning, tools, think, schemas)
     return merge([*parser.push(text), *parser.finish()])
 
 
