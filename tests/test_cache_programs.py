@@ -8,11 +8,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from hf_reference import hf_logits, make_hf_model, max_rel_err, save_checkpoint
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from qwen35_reference import make_qwen35, qwen35_logits, save_qwen35
 
 from hybridkv import CacheConfig, CachedModel, CacheFull
 
@@ -21,16 +23,24 @@ VOCAB = 128
 
 
 @functools.cache
-def reference() -> tuple[Any, Path]:
-    model = make_hf_model(seed=11, full_attention_interval=2)
-    path = Path(tempfile.mkdtemp(prefix="hybridkv-programs-"))
-    return model, save_checkpoint(model, path)
+def reference(family: str) -> tuple[Any, Path, Any]:
+    """(transformers model, checkpoint dir, its no-cache logits function) of a family's tiny model."""
+    path = Path(tempfile.mkdtemp(prefix=f"hybridkv-programs-{family}-"))
+    if family == "qwen3_next":
+        model = make_hf_model(seed=11, full_attention_interval=2)
+        return model, save_checkpoint(model, path), hf_logits
+    # released style: vision-language wrapper, visual and mtp tensors, 2 shards; Hv = 3·Hk, dk != dv
+    odd = dict(linear_num_value_heads=6, linear_key_head_dim=8, linear_value_head_dim=16, linear_conv_kernel_dim=3)
+    model = make_qwen35(moe=family == "qwen3_5_moe", seed=11, full_attention_interval=2, **odd)
+    return model, save_qwen35(model, path, shards=2), qwen35_logits
 
 
 class CachePrograms(RuleBasedStateMachine):
+    family = "qwen3_next"
+
     def __init__(self) -> None:
         super().__init__()
-        self.hf, checkpoint = reference()
+        self.hf, checkpoint, self.logits_fn = reference(self.family)
         config = CacheConfig(
             snapshot_interval=5,
             snapshots_per_sequence=3,
@@ -42,7 +52,7 @@ class CachePrograms(RuleBasedStateMachine):
         self.expected: dict[int, list[int]] = {}
 
     def check(self, seq: int, rows: torch.Tensor) -> None:
-        want = hf_logits(self.hf, self.expected[seq])[-len(rows) :]
+        want = self.logits_fn(self.hf, self.expected[seq])[-len(rows) :]
         assert max_rel_err(rows, want) <= 1e-4
 
     @precondition(lambda self: len(self.expected) < 4)
@@ -97,6 +107,22 @@ class CachePrograms(RuleBasedStateMachine):
         self.expected[seq] = self.expected[seq][:p]
 
     @precondition(lambda self: self.expected)
+    @rule(data=st.data(), where=st.integers(0, 2))
+    def bad_feed(self, data: st.DataObject, where: int) -> None:
+        """A batch with one bad part (token outside the vocabulary, unknown sequence, no tokens) is
+        refused as a whole; the invariant below proves nothing changed."""
+        seq = data.draw(st.sampled_from(sorted(self.expected)))
+        batch: dict[int, list[int]] = {seq: [1, 2]}
+        if where == 0:
+            batch[seq] = [3, self.cm.vocab_size]
+        elif where == 1:
+            batch[max(self.expected) + 100] = [1]
+        else:
+            batch[seq] = []
+        with pytest.raises(ValueError):
+            self.cm.feed(batch)
+
+    @precondition(lambda self: self.expected)
     @rule(data=st.data())
     def release(self, data: st.DataObject) -> None:
         seq = data.draw(st.sampled_from(sorted(self.expected)))
@@ -110,10 +136,41 @@ class CachePrograms(RuleBasedStateMachine):
             assert self.cm.tokens(seq) == ids
 
 
-CachePrograms.TestCase.settings = settings(
-    max_examples=30,
-    stateful_step_count=14,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+def _settings(examples: int) -> settings:
+    return settings(
+        max_examples=examples,
+        stateful_step_count=14,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )
+
+
+class Qwen35DensePrograms(CachePrograms):
+    family = "qwen3_5"
+
+
+class Qwen35MoePrograms(CachePrograms):
+    family = "qwen3_5_moe"
+
+
+CachePrograms.TestCase.settings = _settings(30)
 TestCachePrograms = CachePrograms.TestCase
+# Qwen3.5: a short run by default, the long one under -m slow.
+Qwen35DensePrograms.TestCase.settings = _settings(8)
+Qwen35MoePrograms.TestCase.settings = _settings(8)
+TestQwen35DensePrograms = Qwen35DensePrograms.TestCase
+TestQwen35MoePrograms = Qwen35MoePrograms.TestCase
+
+
+class Qwen35DenseProgramsLong(Qwen35DensePrograms):
+    pass
+
+
+class Qwen35MoeProgramsLong(Qwen35MoePrograms):
+    pass
+
+
+Qwen35DenseProgramsLong.TestCase.settings = _settings(60)
+Qwen35MoeProgramsLong.TestCase.settings = _settings(60)
+TestQwen35DenseProgramsLong = pytest.mark.slow(Qwen35DenseProgramsLong.TestCase)
+TestQwen35MoeProgramsLong = pytest.mark.slow(Qwen35MoeProgramsLong.TestCase)

@@ -1,13 +1,15 @@
-"""Tiny random transformers Qwen3-Next checkpoints, saved once per test session."""
+"""Tiny random transformers Qwen3-Next and Qwen3.5 checkpoints, saved once per test session."""
 
 from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from qwen35_reference import make_qwen35, save_qwen35
 from tiny import make_hf_model, save_checkpoint
 from transformers import Qwen3NextForCausalLM
 
@@ -39,3 +41,20 @@ def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., C
 def tiny_checkpoint(make_checkpoint: Callable[..., Checkpoint]) -> Checkpoint:
     """The default tiny model: 3 linear + 1 attention layer, Hv = 2·Hk, 4 experts top-2, untied."""
     return make_checkpoint("default")
+
+
+@pytest.fixture(scope="session")
+def make_qwen35_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., tuple[Any, Path]]:
+    """make_qwen35_checkpoint(name, save={...}, **make_qwen35 arguments) -> (transformers model, dir).
+
+    `save` goes to `save_qwen35` (dtype, shards, mtp, per_expert). Cached by name, like make_checkpoint.
+    """
+    cache: dict[str, tuple[Any, Path]] = {}
+
+    def make(name: str, save: dict[str, Any] | None = None, **model: Any) -> tuple[Any, Path]:
+        if name not in cache:
+            hf = make_qwen35(**model)
+            cache[name] = (hf, save_qwen35(hf, tmp_path_factory.mktemp(name), **(save or {})))
+        return cache[name]
+
+    return make
