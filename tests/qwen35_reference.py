@@ -135,3 +135,16 @@ def qwen35_logits(model: Any, tokens: Sequence[int]) -> torch.Tensor:
     with torch.no_grad():
         out = model(input_ids=torch.tensor([list(tokens)]), use_cache=False)
     return out.logits[0].float()
+
+
+def write_qwen35_chat_model(
+    path: Path, template: str = "3.5", compact: bool = True, seed: int = 5, **model: Any
+) -> tuple[Path, Any]:
+    """A released-style Qwen3.5 checkpoint with the test tokenizer and Qwen's chat template in
+    `path` (see qwen35_tokenizer.py; `compact=False` gives the real 248,320-row vocabulary)."""
+    from qwen35_tokenizer import COMPACT_VOCAB, QWEN35_VOCAB, write_qwen35_tokenizer
+
+    hf = make_qwen35(seed=seed, vocab_size=COMPACT_VOCAB if compact else QWEN35_VOCAB, **model)
+    save_qwen35(hf, path)
+    write_qwen35_tokenizer(path, template, compact)  # type: ignore[arg-type]
+    return path, hf

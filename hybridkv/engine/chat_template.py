@@ -37,7 +37,7 @@ SPECIAL_TOKEN_NAMES = (
     "mask_token",
 )
 # Older names for a message's reasoning; templates read `reasoning_content` (gpt-oss: `thinking`).
-_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 class ChatTemplate:
@@ -173,7 +173,7 @@ def _checked_message(index: int, message: object) -> dict[str, Any]:
 def _alias_reasoning(chat: list[dict[str, Any]]) -> list[dict[str, Any]]:
     aliased = []
     for message in chat:
-        reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+        reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
         if reasoning is not None:
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
         aliased.append(message)

@@ -12,7 +12,7 @@ import torch
 
 from hybridkv.cache.config import CacheConfig
 from hybridkv.cached_model import CachedModel
-from hybridkv.engine.chat_template import ChatTemplate
+from hybridkv.engine.chat_template import REASONING_FIELDS, ChatTemplate
 from hybridkv.engine.engine import Engine, EngineConfig
 from hybridkv.engine.request import Request, RequestOutput, StreamEvent
 from hybridkv.engine.sampling import SamplingParams
@@ -90,22 +90,33 @@ class LLM:
             raise ValueError(f"{self.model_dir} has no chat template (tokenizer_config.json chat_template)")
         text = self.template.render(messages, add_generation_prompt, tools, **template_kwargs)
         ends = self.template.message_boundaries(messages, add_generation_prompt, tools, **template_kwargs)
-        contents = [m.get("content") for m in messages if m.get("role") == "assistant"]
+        answers = [
+            text
+            for m in messages
+            if m.get("role") == "assistant"
+            for text in (m.get("content"), *(m.get(name) for name in REASONING_FIELDS))
+            if isinstance(text, str) and text
+        ]
         ids: list[int] = []
         hints: list[int] = []
         start = 0
         for end in [*ends, len(text)]:
             if end > start:
-                ids += self._encode_segment(text[start:end], contents)
+                ids += self._encode_segment(text[start:end], answers)
                 hints.append(len(ids) - 1)
             start = end
         return ids, hints
 
-    def _encode_segment(self, segment: str, contents: list[Any]) -> list[int]:
-        for content in contents:
-            if isinstance(content, str) and content and content in self._generated and content in segment:
-                before, _, after = segment.partition(content)
-                return self.tokenizer.encode(before) + self._generated[content] + self.tokenizer.encode(after)
+    def _encode_segment(self, segment: str, answers: list[str]) -> list[int]:
+        """Tokenize one message's rendered text; a text this LLM generated for one of the assistant
+        `answers` is encoded to the ids it generated. The template may render the answer in pieces
+        (Qwen3.6 with preserve_thinking rebuilds "<think>" + reasoning + "</think>" + content),
+        so the generated text is looked for in the segment, newest first."""
+        if answers:
+            for generated, generated_ids in reversed(self._generated.items()):
+                if generated in segment and any(answer in generated for answer in answers):
+                    before, _, after = segment.partition(generated)
+                    return self.tokenizer.encode(before) + generated_ids + self.tokenizer.encode(after)
         return self.tokenizer.encode(segment)
 
     def remember(self, output: RequestOutput) -> None:
