@@ -1,16 +1,28 @@
-"""`hybridkv run`: one streamed answer, or an interactive chat that reuses the cache every turn."""
+"""`hybridkv run`: one streamed answer, or an interactive chat that reuses the cache every turn.
+
+A thinking model's reasoning (`<think>…</think>`, split off as the server splits it) is shown
+apart from the answer: dimmed on a terminal, else between "Thinking..." and "...done thinking."
+lines; `--hide-thinking` leaves it out. `--think/--no-think` and `/think on|off` set the
+template's `enable_thinking`.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
-from typing import Any
+from typing import Any, Literal
 
 from hybridkv.engine.llm import LLM
 from hybridkv.engine.sampling import SamplingParams
+from hybridkv.server.parsing import Content, OutputParser, Piece, Reasoning
 
-HELP = "commands: /reset (new conversation), /regenerate (answer the last message again), /stats, /quit"
+HELP = (
+    "commands: /reset (new conversation), /regenerate (answer the last message again), "
+    "/think on|off (let the model reason first, if its template can), /stats, /quit"
+)
+DIM, RESET = "\033[2m", "\033[0m"
+Thinking = Literal["dim", "plain", "hide"]
 
 
 def run_chat(args: argparse.Namespace, llm: LLM) -> int:
@@ -21,9 +33,13 @@ def run_chat(args: argparse.Namespace, llm: LLM) -> int:
         return 2
     opening: list[dict[str, Any]] = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(opening)
+    thinking: Thinking = "hide" if args.hide_thinking else "dim" if sys.stdout.isatty() else "plain"
+    template_kwargs: dict[str, Any] = {} if args.think is None else {"enable_thinking": args.think}
+    if args.think is not None and not _has_thinking_switch(llm):
+        print("hybridkv: note: this model's chat template has no enable_thinking switch", file=sys.stderr)
     if args.prompt is not None:
         messages.append({"role": "user", "content": args.prompt})
-        answer(llm, messages, params)
+        answer(llm, messages, params, thinking, **template_kwargs)
         return 0
     print(f"hybridkv chat with {llm.model_dir} — {HELP}; Ctrl-C stops a reply", file=sys.stderr)
     while True:
@@ -43,35 +59,57 @@ def run_chat(args: argparse.Namespace, llm: LLM) -> int:
             print("(new conversation)", file=sys.stderr)
         elif command == "/stats":
             print(_stats(llm), file=sys.stderr)
+        elif command.split()[:1] == ["/think"]:
+            choice = command.split()[1:]
+            if choice not in (["on"], ["off"]):
+                print("(usage: /think on|off)", file=sys.stderr)
+                continue
+            template_kwargs["enable_thinking"] = choice == ["on"]
+            note = "" if _has_thinking_switch(llm) else "; this model's chat template has no such switch"
+            print(f"(thinking {choice[0]} from the next answer{note})", file=sys.stderr)
         elif command == "/regenerate":
             if not messages or messages[-1]["role"] != "assistant":
                 print("(nothing to regenerate yet)", file=sys.stderr)
                 continue
             messages.pop()
-            messages.append({"role": "assistant", "content": answer(llm, messages, params)})
+            messages.append(
+                {"role": "assistant", "content": answer(llm, messages, params, thinking, **template_kwargs)}
+            )
         elif command.startswith("/"):
             print(f"(unknown command {command}; {HELP})", file=sys.stderr)
         elif command:
             messages.append({"role": "user", "content": line})
-            messages.append({"role": "assistant", "content": answer(llm, messages, params)})
+            messages.append(
+                {"role": "assistant", "content": answer(llm, messages, params, thinking, **template_kwargs)}
+            )
 
 
-def answer(llm: LLM, messages: list[dict[str, Any]], params: SamplingParams) -> str:
-    """Stream the reply to `messages` to stdout; Ctrl-C stops it and keeps what was said."""
+def answer(
+    llm: LLM,
+    messages: list[dict[str, Any]],
+    params: SamplingParams,
+    thinking: Thinking = "plain",
+    **template_kwargs: Any,
+) -> str:
+    """Stream the reply to `messages` to stdout, reasoning shown as `thinking` says ("dim",
+    "plain" or "hide"); Ctrl-C stops it and keeps what was said. Returns the whole generated
+    text, reasoning included (the template drops it from history as the model expects)."""
     if llm.template is not None:
-        ids, hints = llm.encode_chat(messages)
+        ids, hints = llm.encode_chat(messages, **template_kwargs)
     else:  # no chat template: continue the text of the conversation as it is
         ids, hints = llm.encode("\n".join(m["content"] for m in messages)), []
     request = llm.engine.add_request(llm.engine.make_request(ids, params, tuple(hints)))
+    printer = AnswerPrinter(_opens_thinking(llm, ids), thinking)
     started = time.perf_counter()
     try:
         while not request.finished:
             llm.engine.step()
-            _print_events(request)
+            _print_events(request, printer)
     except KeyboardInterrupt:
         llm.engine.cancel(request.request_id)
         llm.engine.run_until_done()
-    _print_events(request)
+    _print_events(request, printer)
+    printer.finish()
     elapsed = time.perf_counter() - started
     output = request.output()
     llm.remember(output)
@@ -87,12 +125,64 @@ def answer(llm: LLM, messages: list[dict[str, Any]], params: SamplingParams) -> 
     return output.text
 
 
-def _print_events(request: Any) -> None:
+class AnswerPrinter:
+    """Writes a streamed answer to stdout with its reasoning set apart: `thinking` "dim" (ANSI
+    dim, for a terminal), "plain" (between "Thinking..." and "...done thinking." lines) or "hide".
+    `reasoning` says the answer starts inside a think block (the prompt ended with `<think>`)."""
+
+    MARKS = {"dim": (DIM, RESET + "\n\n"), "plain": ("Thinking...\n", "\n...done thinking.\n\n")}
+
+    def __init__(self, reasoning: bool, thinking: Thinking = "plain") -> None:
+        if thinking not in ("dim", "plain", "hide"):
+            raise ValueError(f"thinking must be 'dim', 'plain' or 'hide', got {thinking!r}")
+        self.parser = OutputParser(reasoning=reasoning, tools=False)
+        self.thinking = thinking
+        self.in_reasoning = False
+
+    def push(self, text: str) -> None:
+        self._write(self.parser.push(text))
+
+    def finish(self) -> None:
+        self._write(self.parser.finish())
+        self._end_reasoning()
+
+    def _write(self, pieces: list[Piece]) -> None:
+        for piece in pieces:
+            if isinstance(piece, Content):
+                self._end_reasoning()
+                self._out(piece.text)
+            elif isinstance(piece, Reasoning) and self.thinking != "hide":
+                if not self.in_reasoning:
+                    self._out(self.MARKS[self.thinking][0])
+                    self.in_reasoning = True
+                self._out(piece.text)
+            # (no tool calls: the parser leaves <tool_call> text in the content)
+
+    def _end_reasoning(self) -> None:
+        if self.in_reasoning:
+            self._out(self.MARKS[self.thinking][1])
+            self.in_reasoning = False
+
+    @staticmethod
+    def _out(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+
+def _print_events(request: Any, printer: AnswerPrinter) -> None:
     while not request.events.empty():
         text = request.events.get().text
         if text:
-            sys.stdout.write(text)
-            sys.stdout.flush()
+            printer.push(text)
+
+
+def _opens_thinking(llm: LLM, prompt_ids: list[int]) -> bool:
+    """Does the prompt end inside a think block (a thinking template's generation prompt)?"""
+    return llm.tokenizer.decode(prompt_ids[-8:]).rstrip().endswith("<think>")
+
+
+def _has_thinking_switch(llm: LLM) -> bool:
+    return llm.template is not None and any("enable_thinking" in t for t in llm.template.templates.values())
 
 
 def _stats(llm: LLM) -> str:

@@ -69,7 +69,8 @@ def _parser() -> argparse.ArgumentParser:
         "run",
         help="chat with a model",
         description="Chat with a model: with PROMPT, stream one answer; without, an interactive chat "
-        "(/reset, /regenerate, /stats, /quit; Ctrl-C stops a reply). Per turn, stderr shows how many "
+        "(/reset, /regenerate, /think on|off, /stats, /quit; Ctrl-C stops a reply). A thinking model's "
+        "reasoning is shown apart from its answer (dimmed on a terminal). Per turn, stderr shows how many "
         "prompt tokens came from the cache and how many were computed.",
     )
     run.add_argument("prompt", nargs="?", metavar="PROMPT", help="one message to answer, then exit")
@@ -77,6 +78,13 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--temperature", type=float, metavar="T", help="0 = greedy (default: the model's own)")
     run.add_argument("--seed", type=int, metavar="S", help="sampling seed")
     run.add_argument("--system", metavar="TEXT", help="a system message opening the conversation")
+    run.add_argument(
+        "--think",
+        action=argparse.BooleanOptionalAction,
+        help="let a thinking model reason before it answers, or not (the template's enable_thinking; "
+        "default: the template's own)",
+    )
+    run.add_argument("--hide-thinking", action="store_true", help="print only the answer, not the reasoning")
     add_engine_flags(run)
     run.set_defaults(run=_run_chat)
 
