@@ -433,14 +433,14 @@ async def show(request: Request) -> Response:
     state.check_model(body.string("model") or body.string("name"))
     body.boolean("verbose")
     body.finish()
-    config = _config(state)
-    arch = str(config.get("model_type", "unknown"))
+    arch = str(_config(state).get("model_type", "unknown"))
+    decoder = state.llm.cm.config  # parsed: also where a vision-language config nests it
     info = {
         "general.architecture": arch,
         "general.parameter_count": _parameter_count(state),
         f"{arch}.context_length": state.max_model_len,
-        f"{arch}.embedding_length": config.get("hidden_size"),
-        f"{arch}.block_count": config.get("num_hidden_layers"),
+        f"{arch}.embedding_length": decoder.hidden_size,
+        f"{arch}.block_count": decoder.num_hidden_layers,
     }
     template = state.llm.template
     source = template.templates.get("default", "") if template is not None else ""
