@@ -99,7 +99,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def add_engine_flags(parser: argparse.ArgumentParser, max_num_seqs: int = 8) -> None:
     """The flags every engine-backed command shares (run, serve)."""
-    parser.add_argument("--model", metavar="DIR", help="checkpoint directory (default: the shipped tiny Qwen3-Next)")
+    parser.add_argument(
+        "--model",
+        metavar="DIR",
+        help="checkpoint directory, Qwen3-Next or Qwen3.5/3.6 (default: the shipped tiny Qwen3-Next)",
+    )
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="compute dtype (default float32)")
     parser.add_argument("--threads", type=int, metavar="N", help="torch CPU threads")
     parser.add_argument("--max-model-len", type=int, default=4096, metavar="N", help="context length (default 4096)")

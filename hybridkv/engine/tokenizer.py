@@ -25,15 +25,18 @@ class Tokenizer:
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
         """Load `tokenizer.json`; EOS ids are the union of those named in `generation_config.json`,
-        `config.json` (`eos_token_id`, an int or a list) and `tokenizer_config.json` (`eos_token`)."""
+        `config.json` (`eos_token_id`, an int or a list, also in a vision-language config's
+        `text_config`) and `tokenizer_config.json` (`eos_token`)."""
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {model_dir}")
         backend = tokenizers.Tokenizer.from_file(str(path))
         eos: set[int] = set()
-        for name in ("generation_config.json", "config.json"):
-            ids = _read_json(model_dir / name).get("eos_token_id")
+        config = _read_json(model_dir / "config.json")
+        text_config = config.get("text_config")
+        for source in (_read_json(model_dir / "generation_config.json"), config, text_config):
+            ids = source.get("eos_token_id") if isinstance(source, dict) else None
             eos.update([ids] if isinstance(ids, int) else ids or [])
         token = _read_json(model_dir / "tokenizer_config.json").get("eos_token")
         if isinstance(token, dict):  # older files: {"content": "<|im_end|>", ...}

@@ -108,7 +108,7 @@ _LAYER_TYPE_NAMES: dict[str, LayerKind] = {"linear_attention": "linear", "full_a
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """What a Qwen3-Next checkpoint's config.json says, validated.
+    """What a Qwen3-Next or Qwen3.5 checkpoint's config.json says about the decoder, validated.
 
     Shape vocabulary: D hidden_size, H num_attention_heads, Hkv num_key_value_heads, hd head_dim,
     Hk/Hv linear_num_key_heads/linear_num_value_heads, dk/dv their head dims, K conv kernel, V vocab,

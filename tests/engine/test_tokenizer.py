@@ -79,6 +79,9 @@ def test_eos_ids_are_gathered_from_every_config_file(tmp_path: Path) -> None:
     (model / "tokenizer_config.json").unlink()
     (model / "generation_config.json").unlink()
     assert Tokenizer.from_dir(model).eos_token_ids == {7}
+    # a vision-language config.json (Qwen3.5) names it in its text_config
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": {"eos_token_id": 6}}))
+    assert Tokenizer.from_dir(model).eos_token_ids == {6}
 
 
 def test_a_directory_without_tokenizer_json_is_a_clear_error(tmp_path: Path) -> None:
