@@ -12,7 +12,9 @@ import torch
 
 from hybridkv.cache.config import CacheConfig, CacheSpec, PoolSizes
 from hybridkv.cache.hybrid import HybridCache
+from hybridkv.errors import NotSupported
 from hybridkv.models import ModelConfig, Qwen3NextModel, load_model, read_checkpoint, weights_nbytes
+from hybridkv.models.sources import ResolvedModel, resolve_model
 from hybridkv.models.weights import check_memory_fit
 from hybridkv.ops import native
 
@@ -54,27 +56,32 @@ class CachedModel:
     @classmethod
     def load(
         cls,
-        model_dir: str | Path | None = None,
+        model: str | Path | ResolvedModel | None = None,
         dtype: torch.dtype = torch.float32,
         cache: CacheConfig | None = None,
     ) -> CachedModel:
-        """Load a checkpoint directory (default: the embedded default model) with a cache.
+        """Load a model with a cache: a checkpoint directory, a .gguf file, an ollama name or a
+        Hugging Face repo id (`resolve_model`; default: the embedded default model).
 
         The pool sizes and the RAM they need with the weights are checked before loading.
         """
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
-        if model_dir is None:
+        if model is None:
             from hybridkv.default_model import default_model_dir
 
-            model_dir = default_model_dir()
+            model = default_model_dir()
+        source = model if isinstance(model, ResolvedModel) else resolve_model(model)
         cache = cache or CacheConfig()
+        if source.is_gguf:
+            return load_gguf(source, dtype, cache)
+        model_dir = source.path
         config, _ = read_checkpoint(model_dir)
         sizes = PoolSizes.plan(cache_spec(config, dtype), cache)
         check_memory_fit(weights_nbytes(model_dir, dtype), sizes.total_bytes)
-        model = load_model(model_dir, dtype)
+        loaded = load_model(model_dir, dtype)
         native.enabled()  # the C++ kernels built (first time on this machine, ~10 s) or loaded now, not mid-request
-        return cls(model, model.config, cache, dtype)
+        return cls(loaded, loaded.config, cache, dtype)
 
     @property
     def vocab_size(self) -> int:
@@ -238,3 +245,14 @@ class CachedModel:
         out["sequences"] = len(self._tokens)
         out.update(self.cache.memory())
         return out
+
+
+# -- GGUF: the loader plugs in here ---------------------------------------------------------------
+
+
+def load_gguf(source: ResolvedModel, dtype: torch.dtype, cache: CacheConfig) -> CachedModel:
+    """The CachedModel of a GGUF model: a .gguf file or split set, an ollama blob, or a GGUF-only
+    Hugging Face snapshot (`source.gguf_parts`, in order). `CachedModel.load` calls this for every
+    GGUF source; the GGUF loader replaces this body (config from the metadata, the memory check,
+    the weights)."""
+    raise NotSupported(f"GGUF loading is not implemented yet: {source.description}")

@@ -1,6 +1,6 @@
 """The `hybridkv` command.
 
-    hybridkv generate PROMPT [--model DIR] [--max-tokens N] [--temperature T] [--seed S] ...
+    hybridkv generate PROMPT [--model MODEL] [--max-tokens N] [--temperature T] [--seed S] ...
 
 Only generated text goes to stdout (flushed piece by piece); logs go to stderr. A usage error
 (an empty prompt, one longer than the context, a missing model) exits with status 2 and a
@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hybridkv.errors import NotSupported
+from hybridkv.models.sources import resolve_model
 
 if TYPE_CHECKING:
     from hybridkv.engine.llm import LLM
@@ -101,8 +102,10 @@ def add_engine_flags(parser: argparse.ArgumentParser, max_num_seqs: int = 8) -> 
     """The flags every engine-backed command shares (run, serve)."""
     parser.add_argument(
         "--model",
-        metavar="DIR",
-        help="checkpoint directory, Qwen3-Next or Qwen3.5/3.6 (default: the shipped tiny Qwen3-Next)",
+        metavar="MODEL",
+        help="a Qwen3-Next or Qwen3.5/3.6 model on this machine: a checkpoint directory, a .gguf file, an ollama "
+        "name (qwen3.5:4b) or a Hugging Face repo id in the HF cache (Qwen/Qwen3.5-0.8B[@revision]); never "
+        "downloaded (default: the shipped tiny Qwen3-Next)",
     )
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="compute dtype (default float32)")
     parser.add_argument("--threads", type=int, metavar="N", help="torch CPU threads")
@@ -157,8 +160,7 @@ def llm_from_args(args: argparse.Namespace) -> LLM:
         raise UsageError("--snapshot-interval must be >= 0 (0 turns interval snapshots off)")
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.model and not Path(args.model).is_dir():
-        raise UsageError(f"--model {args.model}: no such directory")
+    source = resolve_model(args.model) if args.model else None
     engine = EngineConfig(
         max_num_seqs=args.max_num_seqs, **({"max_queue": args.max_queue} if "max_queue" in args else {})
     )
@@ -171,7 +173,7 @@ def llm_from_args(args: argparse.Namespace) -> LLM:
         snapshot_bytes=None if budget is None else budget * 3 // 10,
     )
     try:
-        return LLM(args.model, dtype=args.dtype, cache=cache, engine=engine)
+        return LLM(source, dtype=args.dtype, cache=cache, engine=engine)
     except (ValueError, MemoryError) as e:
         raise UsageError(str(e)) from None
 
@@ -191,11 +193,15 @@ def _generate(args: argparse.Namespace) -> int:
         raise UsageError("--max-tokens must be >= 1")
     if args.temperature < 0:
         raise UsageError("--temperature must be >= 0")
-    model_dir = Path(args.model) if args.model else default_model_dir()
-    if not model_dir.is_dir():
-        raise UsageError(f"--model {model_dir}: no such directory")
-    tokenizer = Tokenizer.from_dir(model_dir)  # checks the prompt before the (slow) model load
-    prompt = _prompt_ids(args, tokenizer, _model_vocab_size(model_dir, tokenizer))
+    model_dir = resolve_model(args.model).path if args.model else default_model_dir()
+    llm = None
+    if model_dir.is_dir():  # checks the prompt before the (slow) model load
+        tokenizer = Tokenizer.from_dir(model_dir)
+        vocab_size = _model_vocab_size(model_dir, tokenizer)
+    else:  # a GGUF file: the tokenizer comes with the model
+        llm = _load_llm(args)
+        tokenizer, vocab_size = llm.tokenizer, llm.cm.vocab_size
+    prompt = _prompt_ids(args, tokenizer, vocab_size)
     if len(prompt) >= args.max_model_len:
         limit = args.max_model_len
         raise UsageError(f"the prompt has {len(prompt)} tokens: no room left in the context (--max-model-len {limit})")
@@ -205,8 +211,8 @@ def _generate(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
 
     started = time.perf_counter()
-    llm = _load_llm(args)
-    _log(f"loaded {llm.model_dir} ({args.dtype}) in {time.perf_counter() - started:.1f}s")
+    llm = llm or _load_llm(args)
+    _log(f"loaded {llm.source.description} ({args.dtype}) in {time.perf_counter() - started:.1f}s")
     started = time.perf_counter()
     generated, finish = 0, None
     for event in llm.stream(prompt, params):

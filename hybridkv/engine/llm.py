@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -17,7 +18,9 @@ from hybridkv.engine.engine import Engine, EngineConfig
 from hybridkv.engine.request import Request, RequestOutput, StreamEvent
 from hybridkv.engine.sampling import SamplingParams
 from hybridkv.engine.tokenizer import Tokenizer
+from hybridkv.models.sources import ResolvedModel, resolve_model
 
+log = logging.getLogger("hybridkv")
 Prompt = str | Sequence[int]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _REMEMBERED = 256  # generated texts whose token ids are kept for re-encoding later chat turns
@@ -39,15 +42,17 @@ def default_cache_config(engine: EngineConfig, **settings: Any) -> CacheConfig:
 
 
 class LLM:
-    """`LLM(model_dir).generate(prompts, params)` and `.chat(messages, params)`.
+    """`LLM(model).generate(prompts, params)` and `.chat(messages, params)`.
 
-    With no directory, the default model. Requests run through the continuous-batching engine;
-    a chat whose next turn extends the last one re-processes only the new tokens.
+    `model`: a checkpoint directory, a .gguf file, an ollama name or a Hugging Face repo id, found
+    on this machine (`resolve_model`); with none, the default model. Requests run through the
+    continuous-batching engine; a chat whose next turn extends the last one re-processes only the
+    new tokens.
     """
 
     def __init__(
         self,
-        model: str | Path | None = None,
+        model: str | Path | ResolvedModel | None = None,
         *,
         dtype: str | torch.dtype = "float32",
         cache: CacheConfig | None = None,
@@ -57,12 +62,18 @@ class LLM:
             from hybridkv.default_model import default_model_dir
 
             model = default_model_dir()
-        self.model_dir = Path(model)
+        self.source = model if isinstance(model, ResolvedModel) else resolve_model(model)
+        for note in self.source.notes:
+            log.warning("%s: %s", self.source.served_name, note)
+        self.model_dir = self.source.path  # the checkpoint directory, or the (first) GGUF file
         engine = engine or EngineConfig()
-        self.cm = CachedModel.load(self.model_dir, parse_dtype(dtype), cache or default_cache_config(engine))
+        self.cm = CachedModel.load(self.source, parse_dtype(dtype), cache or default_cache_config(engine))
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.template = ChatTemplate.from_dir(self.model_dir)
-        self.generation_config = _read_json(self.model_dir / "generation_config.json")
+        self.generation_config = {
+            **_read_json(self.model_dir / "generation_config.json"),
+            **self.source.sampling_defaults,  # an ollama model's params layer
+        }
         self.engine = Engine(self.cm, self.tokenizer, engine, self.generation_config)
         self._generated: OrderedDict[str, list[int]] = OrderedDict()
 

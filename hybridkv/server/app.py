@@ -66,7 +66,7 @@ class ServerState:
         """404 unless `name` is this server's model id (a `:latest` tag is accepted)."""
         if name is None:
             raise ApiError(400, "model: is required (this server has " + repr(self.model_id) + ")", param="model")
-        if name.removesuffix(LATEST) != self.model_id:
+        if name.removesuffix(LATEST) != self.model_id.removesuffix(LATEST):  # "qwen3:latest" is "qwen3"
             raise ApiError(404, f"model {name!r} not found; this server has {self.model_id!r}", param="model")
 
     async def read_json(self, request: Request) -> Fields:
@@ -135,12 +135,12 @@ class ServerState:
 
 
 def create_app(llm: LLM, model_id: str | None = None, max_body: int | None = None) -> Starlette:
-    """The app serving `llm` as `model_id` (default: its directory's name). The engine thread
+    """The app serving `llm` as `model_id` (default: its source's served name). The engine thread
     starts with the app's lifespan and is shut down (cancelling what still runs) at its end.
     `max_body` defaults to 1 MiB or 64 bytes per context token, whichever is larger."""
     state = ServerState(
         llm,
-        model_id or llm.model_dir.name,
+        model_id or llm.source.served_name,
         max_body or max(1 << 20, 64 * int(llm.cm.cache.config.max_model_len)),
     )
 

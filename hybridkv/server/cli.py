@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import socket
 import sys
-from pathlib import Path
 from typing import Any
 
 DEFAULT_MODEL_ID = "hybridkv-default"
@@ -29,7 +28,9 @@ def add_parser(commands: Any) -> None:
         "--max-queue", type=int, default=256, metavar="N", help="requests waiting at most; beyond, 429 (default 256)"
     )
     serve.add_argument(
-        "--model-id", metavar="NAME", help="the model's name in the APIs (default: the directory's name)"
+        "--model-id",
+        metavar="NAME",
+        help="the model's name in the APIs (default: the directory's name, the ollama name or the repo id)",
     )
     serve.add_argument(
         "--shutdown-timeout",
@@ -68,5 +69,5 @@ def _checked(args: argparse.Namespace) -> tuple[Any, str]:
         socket.getaddrinfo(args.host, args.port)
     except OSError as e:
         raise UsageError(f"--host {args.host}: {e}") from None
-    model_id = args.model_id or (Path(args.model).resolve().name if args.model else DEFAULT_MODEL_ID)
-    return llm_from_args(args), model_id
+    llm = llm_from_args(args)
+    return llm, args.model_id or (llm.source.served_name if args.model else DEFAULT_MODEL_ID)

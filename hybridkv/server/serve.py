@@ -55,5 +55,5 @@ def make_server(
 
 def serve(llm: LLM, model_id: str, host: str, port: int, grace: float = 5.0) -> None:
     """Serve until interrupted."""
-    print(f"hybridkv: serving {llm.model_dir} as model {model_id!r} on http://{host}:{port}", file=sys.stderr)
+    print(f"hybridkv: serving {llm.source.description} as model {model_id!r} on http://{host}:{port}", file=sys.stderr)
     make_server(llm, model_id, host, port, grace).run()
