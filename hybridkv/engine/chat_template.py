@@ -79,6 +79,14 @@ class ChatTemplate:
             return None
         return cls(templates, _special_tokens(config, _read_json(model_dir / "special_tokens_map.json")))
 
+    @classmethod
+    def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> ChatTemplate | None:
+        """A GGUF file's `tokenizer.chat_template`, or None if it has none (see gguf_tokenizer.py)."""
+        from hybridkv.engine.gguf_tokenizer import gguf_chat_templates, gguf_template_tokens
+
+        templates = gguf_chat_templates(metadata)
+        return cls(templates, gguf_template_tokens(metadata)) if templates else None
+
     def render(
         self,
         messages: Sequence[Mapping[str, Any]],

@@ -6,7 +6,7 @@ Chat templates are not here yet.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,13 @@ class Tokenizer:
         if isinstance(token, str) and (token_id := backend.token_to_id(token)) is not None:
             eos.add(token_id)
         return cls(backend, eos)
+
+    @classmethod
+    def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
+        """From a GGUF file's `tokenizer.ggml.*` metadata (see gguf_tokenizer.py)."""
+        from hybridkv.engine.gguf_tokenizer import gguf_backend, gguf_eos_ids
+
+        return cls(gguf_backend(metadata), gguf_eos_ids(metadata))
 
     @property
     def vocab_size(self) -> int:
