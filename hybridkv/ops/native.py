@@ -29,6 +29,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "kernels.cpp"
+SOURCES = sorted(SOURCE.parent.glob("*.cpp"))  # with quant.cpp: GGUF block kernels (hybridkv.ops.quant)
 DISABLE_ENV = "HYBRIDKV_NATIVE"
 # Read once: `enabled` runs dozens of times per decode step. Tests flip it with monkeypatch.
 disabled = os.environ.get(DISABLE_ENV) == "0"
@@ -63,7 +64,7 @@ def kernels() -> Any | None:
         # already loaded): one thread pool, not two competing for the cores.
         cpp_extension.load(
             name=f"hybridkv_kernels_{_cpu_tag()}",
-            sources=[str(SOURCE)],
+            sources=[str(p) for p in SOURCES],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,

@@ -1,0 +1,113 @@
+"""llama.cpp's decode scheme for Q8_0 weights: integer dot products on 8-bit activation blocks.
+
+Each activation row is quantized once into blocks of 32 (`quantize_rows_q8`); a weight block and
+an activation block then meet as one exact integer dot product (the block sum), scaled by one float
+multiply, d_w·d_x. Here is the readable PyTorch twin — the NumPy-emulation-style reference that
+the C++ kernel (`csrc/quant.cpp`) matches: the same activation blocks bit for bit, the same
+integer block sums exactly, and the float result up to summation order.
+
+Shapes: x [T, K] float32 (K = in features, a multiple of 32); W rows uint8 [N, K/32·34] (N = out
+features), each a run of Q8_0 blocks (f16 d; i8 q[32]); nb = K/32 blocks per row.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from hybridkv.ops import native
+
+QK8 = 32
+Q8_0_BYTES = 34
+# Up to this many activation rows the integer kernel streams the weight once (decode).
+FEW_ROWS = 32
+ISAS = ("vnni", "avx2", "scalar")  # the C++ kernel's code paths, fastest first
+
+
+class Q8Rows(NamedTuple):
+    """Activation rows in 8-bit blocks: q int8 [T, K], d float32 [T, nb]; x ≈ d·q per block."""
+
+    q: torch.Tensor
+    d: torch.Tensor
+
+
+def quantize_rows_q8(x: torch.Tensor) -> Q8Rows:
+    """x [T, K] → 8-bit blocks of 32: d = max|x|/127 and q = round(x·(1/d)), ties to even (0 where
+    d = 0). As llama.cpp's `quantize_row_q8_0`, except that d stays float32 (it is never stored)."""
+    T, K = x.shape
+    blocks = x.float().reshape(T, K // QK8, QK8)
+    d = blocks.abs().amax(-1) / 127
+    inv = torch.where(d == 0, 0.0, 1 / d)
+    q = torch.round(blocks * inv[..., None]).to(torch.int8)
+    return Q8Rows(q.reshape(T, K), d)
+
+
+def split_q8_0(rows: torch.Tensor) -> Q8Rows:
+    """Q8_0 weight rows uint8 [N, nb·34] → q int8 [N, K], d float32 [N, nb]."""
+    N, row_bytes = rows.shape
+    b = rows.reshape(N, row_bytes // Q8_0_BYTES, Q8_0_BYTES)
+    d = b[..., :2].contiguous().view(torch.float16).float().reshape(N, -1)
+    return Q8Rows(b[..., 2:].contiguous().view(torch.int8).reshape(N, -1), d)
+
+
+def block_sums(x: Q8Rows, w: Q8Rows) -> torch.Tensor:
+    """Σ q_x·q_w over each pair of blocks → int32 [T, N, nb], exactly: every partial sum is an
+    integer below 32·128·127 < 2^24, which float32 holds in any summation order."""
+    T, K = x.q.shape
+    N = w.q.shape[0]
+    xq = x.q.float().reshape(T, -1, QK8).transpose(0, 1)  # [nb, T, 32]
+    wq = w.q.float().reshape(N, -1, QK8).permute(1, 2, 0)  # [nb, 32, N]
+    return torch.bmm(xq, wq).permute(1, 2, 0).to(torch.int32)
+
+
+def q8_0_matmul_twin(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x [T, K] @ W.T → [T, N] float32: Σ over blocks of block_sum·(d_w·d_x), the integer path's
+    reference (runs N in chunks, so the [T, N, nb] sums stay small)."""
+    xq = quantize_rows_q8(x)
+    N = rows.shape[0]
+    step = max(1, (1 << 20) // max(1, xq.d.numel()))
+    out = []
+    for n in range(0, N, step):
+        w = split_q8_0(rows[n : n + step])
+        scale = w.d[None, :, :] * xq.d[:, None, :]  # [T, n, nb]
+        out.append((block_sums(xq, w).float() * scale).sum(-1))
+    return torch.cat(out, dim=1) if out else torch.zeros(x.shape[0], 0)
+
+
+def _ops() -> Any:
+    ops = native.kernels()
+    assert ops is not None, "check native.enabled() first"
+    return ops
+
+
+def available_isas() -> tuple[str, ...]:
+    """The C++ kernel's code paths this machine runs ('vnni' needs AVX-512 VNNI or AVX-VNNI, 'avx2'
+    AVX2; 'scalar' always), fastest first; () without the kernels."""
+    ops = native.kernels()
+    return tuple(ops.q8_isas()) if ops is not None else ()
+
+
+def native_quantize_rows_q8(x: torch.Tensor) -> Q8Rows:
+    """`quantize_rows_q8` by the C++ kernel (bit-identical)."""
+    q, d = _ops().quantize_rows_q8(x)
+    return Q8Rows(q, d)
+
+
+def native_block_sums(x: Q8Rows, rows: torch.Tensor, isa: str = "auto") -> torch.Tensor:
+    """`block_sums(x, split_q8_0(rows))` by the C++ kernel's integer dot (the one `native_q8_0_matmul`
+    runs), on code path `isa` ('auto': the fastest here)."""
+    return _ops().q8_0_block_sums(x.q, rows, isa)
+
+
+def native_q8_0_matmul(x: torch.Tensor, rows: torch.Tensor, isa: str = "auto") -> torch.Tensor:
+    """`q8_0_matmul_twin` by the C++ kernel: each row of x quantized once, the weight streamed once."""
+    return _ops().q8_0_matmul(x, rows, isa)
+
+
+def q8_0_matmul(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x [T, K] float32 @ W.T for Q8_0 rows [N, nb·34] → [T, N] float32, for few rows: the C++ kernel,
+    else its twin (the same numbers up to summation order)."""
+    if native.enabled(x, rows):
+        return native_q8_0_matmul(x, rows)
+    return q8_0_matmul_twin(x, rows)

@@ -1,0 +1,64 @@
+"""A weight kept in a GGUF block type, with its product x @ W.T."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybridkv.ops.quant.int8_dot import FEW_ROWS
+from hybridkv.ops.quant.traits import BlockType, GGMLType, block_type, dequantize
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedWeight:
+    """A linear weight W [out, in] (experts: [E, out, in]) stored as the file stores it: `blocks`
+    uint8 [out, row_bytes] ([E, out, row_bytes]), each output row a run of `btype` blocks along
+    `in` (a GGUF tensor's ne0). Build it with `of`; `blocks` may be a view of a memory-mapped file.
+    """
+
+    blocks: torch.Tensor
+    btype: BlockType
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        t, b = self.btype, self.blocks
+        if b.dtype != torch.uint8:
+            raise TypeError(f"{t.name} weight blocks must be uint8, not {b.dtype}")
+        if len(self.shape) not in (2, 3) or b.dim() != len(self.shape):
+            raise ValueError(
+                f"a weight is [out, in] or [E, out, in]: got shape {self.shape} for blocks {tuple(b.shape)}"
+            )
+        want = (*self.shape[:-1], t.row_bytes(self.shape[-1]))
+        if tuple(b.shape) != want:
+            raise ValueError(f"{t.name} weight {self.shape} needs blocks {want}, got {tuple(b.shape)}")
+
+    @classmethod
+    def of(cls, blocks: torch.Tensor, type_id: int | GGMLType, shape: tuple[int, ...] | None = None) -> QuantizedWeight:
+        """A weight of ggml type `type_id`; `shape` defaults to the one the row bytes imply."""
+        t = block_type(type_id)
+        if shape is None:
+            shape = (*blocks.shape[:-1], t.row_elems(blocks.shape[-1]))
+        return cls(blocks, t, tuple(shape))
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.btype.block_bytes / self.btype.block_elems
+
+    def dequantize(self) -> torch.Tensor:
+        """W as float32 [*shape], bit-identical to `gguf.quants.dequantize`."""
+        return dequantize(self.blocks, self.btype.ggml_type)
+
+    def reference_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] @ W.T → [T, out] float32 on the dequantized weight: the readable twin."""
+        return x.float() @ self.dequantize().T
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] @ W.T → [T, out] float32 (2-D weights). Up to FEW_ROWS rows, the type's own
+        product on the blocks where it has one (Q8_0: 8-bit activations, integer block dots); else
+        dequantize and multiply."""
+        if len(self.shape) != 2 or x.dim() != 2 or x.shape[1] != self.shape[1]:
+            raise ValueError(f"x {tuple(x.shape)} @ W.T needs x [T, {self.shape[-1]}] and a 2-D W, W is {self.shape}")
+        if x.shape[0] <= FEW_ROWS and self.btype.matmul is not None:
+            return self.btype.matmul(x.float(), self.blocks.contiguous())
+        return self.reference_matmul(x)
