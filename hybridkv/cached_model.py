@@ -12,7 +12,6 @@ import torch
 
 from hybridkv.cache.config import CacheConfig, CacheSpec, PoolSizes
 from hybridkv.cache.hybrid import HybridCache
-from hybridkv.errors import NotSupported
 from hybridkv.models import ModelConfig, Qwen3NextModel, load_model, read_checkpoint, weights_nbytes
 from hybridkv.models.sources import ResolvedModel, resolve_model
 from hybridkv.models.weights import check_memory_fit
@@ -73,9 +72,7 @@ class CachedModel:
             model = default_model_dir()
         source = model if isinstance(model, ResolvedModel) else resolve_model(model)
         cache = cache or CacheConfig()
-        if source.is_gguf:
-            return load_gguf(source, dtype, cache)
-        model_dir = source.path
+        model_dir = source.path  # a checkpoint directory, or the (first) GGUF file
         config, _ = read_checkpoint(model_dir)
         sizes = PoolSizes.plan(cache_spec(config, dtype), cache)
         check_memory_fit(weights_nbytes(model_dir, dtype), sizes.total_bytes)
@@ -245,14 +242,3 @@ class CachedModel:
         out["sequences"] = len(self._tokens)
         out.update(self.cache.memory())
         return out
-
-
-# -- GGUF: the loader plugs in here ---------------------------------------------------------------
-
-
-def load_gguf(source: ResolvedModel, dtype: torch.dtype, cache: CacheConfig) -> CachedModel:
-    """The CachedModel of a GGUF model: a .gguf file or split set, an ollama blob, or a GGUF-only
-    Hugging Face snapshot (`source.gguf_parts`, in order). `CachedModel.load` calls this for every
-    GGUF source; the GGUF loader replaces this body (config from the metadata, the memory check,
-    the weights)."""
-    raise NotSupported(f"GGUF loading is not implemented yet: {source.description}")

@@ -18,6 +18,7 @@ from hybridkv.engine.engine import Engine, EngineConfig
 from hybridkv.engine.request import Request, RequestOutput, StreamEvent
 from hybridkv.engine.sampling import SamplingParams
 from hybridkv.engine.tokenizer import Tokenizer
+from hybridkv.models.gguf import GGUFFile, file_type_name
 from hybridkv.models.sources import ResolvedModel, resolve_model
 
 log = logging.getLogger("hybridkv")
@@ -68,12 +69,25 @@ class LLM:
         self.model_dir = self.source.path  # the checkpoint directory, or the (first) GGUF file
         engine = engine or EngineConfig()
         self.cm = CachedModel.load(self.source, parse_dtype(dtype), cache or default_cache_config(engine))
-        self.tokenizer = Tokenizer.from_dir(self.model_dir)
-        self.template = ChatTemplate.from_dir(self.model_dir)
-        self.generation_config = {
-            **_read_json(self.model_dir / "generation_config.json"),
-            **self.source.sampling_defaults,  # an ollama model's params layer
-        }
+        self.files: tuple[Path, ...]  # what the model was read from
+        generation_config: dict[str, Any] = {}
+        if self.source.is_gguf:  # tokenizer and chat template from the file's metadata
+            with GGUFFile(self.model_dir) as gguf:
+                metadata = gguf.metadata
+            self.tokenizer = Tokenizer.from_gguf_metadata(metadata)
+            self.template = ChatTemplate.from_gguf_metadata(metadata)
+            self.files = tuple(self.source.gguf_parts)
+            self.file_format, self.architecture = "gguf", str(metadata.get("general.architecture", "unknown"))
+            self.quantization = file_type_name(metadata)
+        else:
+            self.tokenizer = Tokenizer.from_dir(self.model_dir)
+            self.template = ChatTemplate.from_dir(self.model_dir)
+            generation_config = _read_json(self.model_dir / "generation_config.json")
+            self.files = tuple(sorted(p for p in self.model_dir.iterdir() if p.is_file()))
+            model_type = _read_json(self.model_dir / "config.json").get("model_type", "unknown")
+            self.file_format, self.architecture = "safetensors", str(model_type)
+            self.quantization = {torch.float32: "F32", torch.bfloat16: "BF16"}.get(self.cm.dtype, str(self.cm.dtype))
+        self.generation_config = {**generation_config, **self.source.sampling_defaults}  # ollama's params layer
         self.engine = Engine(self.cm, self.tokenizer, engine, self.generation_config)
         self._generated: OrderedDict[str, list[int]] = OrderedDict()
 

@@ -469,3 +469,20 @@ def _check_parts(parts: list[_Part]) -> None:
         raise GGUFError(
             f"{parts[0].path}: split.tensors.count is {expected!r} but the {len(parts)} parts hold {len(seen)} tensors"
         )
+
+
+# llama.cpp's `general.file_type` (llama.h `llama_ftype`, "MOSTLY_" dropped): what ollama and
+# llama.cpp call a file's quantization ("Q4_K_M"), which its tensor types alone do not say.
+FILE_TYPES = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K", 11: "Q3_K_S",
+    12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K",
+    19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S", 22: "IQ3_XS", 23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL",
+    26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S", 29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16",
+    36: "TQ1_0", 37: "TQ2_0", 38: "MXFP4_MOE",
+}  # fmt: skip
+
+
+def file_type_name(metadata: dict[str, Any]) -> str:
+    """A file's quantization as llama.cpp names it ("Q4_K_M"), from `general.file_type`; "unknown" if unset."""
+    file_type = metadata.get("general.file_type")
+    return FILE_TYPES.get(file_type, "unknown") if isinstance(file_type, int) else "unknown"

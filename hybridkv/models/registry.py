@@ -14,8 +14,9 @@ import torch
 
 from hybridkv.models import qwen3_5, qwen3_next
 from hybridkv.models.config import ModelConfig
+from hybridkv.models.gguf_checkpoint import GGUFCheckpoint, GGUFTensors
 from hybridkv.models.qwen3_next import Qwen3NextModel
-from hybridkv.models.weights import Checkpoint, Layout, load_weights
+from hybridkv.models.weights import Checkpoint, Layout, TensorSource, load_weights
 
 
 def _as_is(config: ModelConfig, names: set[str]) -> ModelConfig:
@@ -44,15 +45,22 @@ FAMILIES: dict[str, Family] = {
 }
 
 
-def read_checkpoint(model_dir: str | Path) -> tuple[ModelConfig, Checkpoint]:
-    """The config (as the files have it) and the tensors of a checkpoint directory."""
-    config = ModelConfig.from_dir(model_dir)
-    checkpoint = Checkpoint(model_dir)
+def read_checkpoint(model_dir: str | Path) -> tuple[ModelConfig, TensorSource]:
+    """The config (as the files have it) and the tensors of a checkpoint directory, or of a GGUF
+    file (the first of a split set), seen as the Hugging Face checkpoint it was converted from."""
+    checkpoint: TensorSource
+    if Path(model_dir).is_file():
+        checkpoint = GGUFCheckpoint(GGUFTensors(model_dir))
+        config = ModelConfig.from_dict(checkpoint.hf_config, source=str(model_dir))
+    else:
+        config = ModelConfig.from_dir(model_dir)
+        checkpoint = Checkpoint(model_dir)
     return FAMILIES[config.family].for_checkpoint(config, checkpoint.names), checkpoint
 
 
 def weights_nbytes(model_dir: str | Path, dtype: torch.dtype) -> int:
-    """Bytes the weights a model loads from `model_dir` occupy once cast to `dtype`."""
+    """Bytes the weights a model loads from `model_dir` (a directory or a GGUF file) occupy once
+    cast to `dtype`."""
     config, checkpoint = read_checkpoint(model_dir)
     family = FAMILIES[config.family]
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -60,7 +68,7 @@ def weights_nbytes(model_dir: str | Path, dtype: torch.dtype) -> int:
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Qwen3NextModel:
-    """Build the model of a Hugging Face checkpoint directory, weights cast to `dtype`."""
+    """Build the model of a Hugging Face checkpoint directory or a GGUF file, weights cast to `dtype`."""
     config, checkpoint = read_checkpoint(model_dir)
     family = FAMILIES[config.family]
     model = family.model_class(config, dtype)

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
@@ -64,6 +65,25 @@ class Piece:
 
 Layout = dict[str, list[Piece]]
 """Our parameter name -> the checkpoint pieces that fill it (together, all of it)."""
+
+
+class TensorSource(Protocol):
+    """Named checkpoint tensors, as `load_weights` reads them: `Checkpoint` (safetensors) and
+    `GGUFCheckpoint` (a GGUF file under Hugging Face names)."""
+
+    description: str
+    file_of: dict[str, Path]
+
+    @property
+    def names(self) -> set[str]: ...
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def numel(self, name: str) -> int: ...
+
+    def dtype_name(self, name: str) -> str: ...
+
+    def read(self, name: str) -> torch.Tensor: ...
 
 
 class Checkpoint:
@@ -132,7 +152,7 @@ class Checkpoint:
 def load_weights(
     params: dict[str, torch.Tensor],
     layout: Layout,
-    checkpoint: Checkpoint,
+    checkpoint: TensorSource,
     ignore: Callable[[str], bool] = lambda name: False,
 ) -> None:
     """Fill `params` (our name -> tensor) from `checkpoint` following `layout`.

@@ -367,23 +367,16 @@ def _ns(seconds: float) -> int:
 
 
 def _details(state: Any) -> dict[str, Any]:
-    family = _config(state).get("model_type", "unknown")
+    llm = state.llm
     count = _parameter_count(state)
-    dtype = str(state.llm.cm.dtype).removeprefix("torch.")
     return {
         "parent_model": "",
-        "format": "safetensors",
-        "family": family,
-        "families": [family],
+        "format": llm.file_format,
+        "family": llm.architecture,
+        "families": [llm.architecture],
         "parameter_size": f"{count / 1e9:.1f}B" if count >= 1e8 else f"{count / 1e6:.1f}M",
-        "quantization_level": {"float32": "F32", "bfloat16": "BF16"}.get(dtype, dtype.upper()),
+        "quantization_level": llm.quantization,
     }
-
-
-def _config(state: Any) -> dict[str, Any]:
-    path = state.llm.model_dir / "config.json"
-    data = json.loads(path.read_text()) if path.is_file() else {}
-    return data if isinstance(data, dict) else {}
 
 
 def _parameter_count(state: Any) -> int:
@@ -395,12 +388,12 @@ def _size(state: Any) -> int:
 
 
 def _digest(state: Any) -> str:
-    files = sorted((p.name, p.stat().st_size) for p in state.llm.model_dir.iterdir() if p.is_file())
+    files = [(p.name, p.stat().st_size) for p in state.llm.files]
     return hashlib.sha256(json.dumps([state.model_id, files]).encode()).hexdigest()
 
 
 def _modified(state: Any) -> str:
-    mtime = (state.llm.model_dir / "config.json").stat().st_mtime
+    mtime = max(p.stat().st_mtime for p in state.llm.files)
     return datetime.fromtimestamp(mtime, timezone.utc).isoformat().replace("+00:00", "Z")
 
 
@@ -433,7 +426,7 @@ async def show(request: Request) -> Response:
     state.check_model(body.string("model") or body.string("name"))
     body.boolean("verbose")
     body.finish()
-    arch = str(_config(state).get("model_type", "unknown"))
+    arch = state.llm.architecture
     decoder = state.llm.cm.config  # parsed: also where a vision-language config nests it
     info = {
         "general.architecture": arch,

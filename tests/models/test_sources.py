@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from hf_reference import hf_logits, max_rel_err
+from safetensors.torch import load_file
 
 from hybridkv import CacheConfig, CachedModel, cli
 from hybridkv.engine.sampling import SamplingParams
@@ -226,13 +227,15 @@ def test_a_vision_projector_is_ignored_with_a_note_and_an_adapter_is_refused(pul
         resolve_model("tuned")
 
 
-def test_loading_an_ollama_model_stops_where_the_gguf_loader_plugs_in(pull: Pull, capsys: Any) -> None:
-    pull("registry.ollama.ai/library/qwen3.5/4b", {MODEL: GGUF})
-    with pytest.raises(NotSupported, match="GGUF loading is not implemented yet: ollama qwen3.5:4b"):
-        CachedModel.load("qwen3.5:4b")
-    assert cli.main(["generate", "hi", "--model", "qwen3.5:4b"]) == 2
-    err = capsys.readouterr().err
-    assert "GGUF loading is not implemented yet" in err and err.count("\n") == 1
+def test_an_ollama_model_loads_from_its_blob(pull: Pull) -> None:
+    """The blob is a GGUF file (here one written by llama.cpp's converter): it loads as such."""
+    fixture = Path(__file__).parent.parent / "data" / "gguf"
+    pull("registry.ollama.ai/library/qwen3.5/4b", {MODEL: (fixture / "qwen35-tiny-f32.gguf").read_bytes()})
+    golden = load_file(fixture / "qwen35-tiny.logits.safetensors")
+    cm = CachedModel.load("qwen3.5:4b", cache=CacheConfig(max_sequences=1, max_model_len=32))
+    seq = cm.new_sequence()
+    logits = cm.feed({seq: golden["tokens"].tolist()})[seq]
+    assert max_rel_err(logits, golden["logits"]) <= 1e-4
 
 
 # -- the Hugging Face cache -------------------------------------------------------------------------

@@ -1,0 +1,138 @@
+"""GGUF files written by llama.cpp's own converter (tests/data/gguf, scripts/make_gguf_fixtures.py)
+load as the checkpoints they came from: float files give transformers' logits on the original
+weights; quantized files give transformers' logits on their dequantized weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+from safetensors.torch import load_file, save_file
+from test_parity import assert_close
+from tiny import TinyCache
+
+from hybridkv.errors import NotSupported
+from hybridkv.models import load_model, read_checkpoint, weights_nbytes
+from hybridkv.models.gguf_checkpoint import GGUFCheckpoint, GGUFTensors
+
+DATA = Path(__file__).parent.parent / "data" / "gguf"
+MODELS = {"qwen3next-tiny": "qwen3_next", "qwen35-tiny": "qwen3_5", "qwen35moe-tiny": "qwen3_5"}
+
+
+def golden(name: str) -> tuple[list[int], torch.Tensor]:
+    """The token ids and transformers' float32 logits on the checkpoint the files were converted from."""
+    data = load_file(DATA / f"{name}.logits.safetensors")
+    return data["tokens"].tolist(), data["logits"]
+
+
+def run(model, tokens: list[int]) -> torch.Tensor:
+    """Our logits: a prefill of all but 3 tokens, then 3 decode steps."""
+    cache = TinyCache(model.config, num_seqs=1, max_len=len(tokens))
+    out = cache.run(model, [(0, tokens[:-3])])
+    return torch.cat([*out, *(cache.run(model, [(0, [t])])[0] for t in tokens[-3:])])
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_float32_file_gives_transformers_logits_on_the_original_weights(name):
+    model = load_model(DATA / f"{name}-f32.gguf")
+    assert model.config.family == MODELS[name]
+    tokens, logits = golden(name)
+    assert_close(run(model, tokens), logits)
+
+
+def dequantized_checkpoint(gguf_path: Path, out: Path) -> Path:
+    """The Hugging Face checkpoint of a GGUF file's dequantized weights, for transformers to run."""
+    checkpoint = GGUFCheckpoint(GGUFTensors(gguf_path))
+    save_file({n: checkpoint.read(n).contiguous() for n in checkpoint.names}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(checkpoint.hf_config))
+    return out
+
+
+@pytest.mark.parametrize(
+    "file",
+    ["qwen3next-tiny-q8_0.gguf", "qwen3next-tiny-bf16.gguf", "qwen35-tiny-q8_0.gguf", "qwen35moe-tiny-q8_0.gguf"],
+)
+def test_a_quantized_file_gives_transformers_logits_on_its_dequantized_weights(file, tmp_path):
+    model = load_model(DATA / file)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(dequantized_checkpoint(DATA / file, tmp_path)).eval()
+    tokens, original = golden(file.rsplit("-", 1)[0])
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor([tokens]), use_cache=False).logits[0].float()
+    ours = run(model, tokens)
+    assert_close(ours, want)
+    # and near the float model (a tiny random model has small margins: 8-bit rounding flips a few)
+    assert (ours.argmax(-1) == original.argmax(-1)).float().mean() >= 0.6
+
+
+def test_dequantization_agrees_with_gguf_py_tensor_by_tensor():
+    """The independent reference for every stored tensor of a quantized file (before any remapping)."""
+    path = DATA / "qwen35moe-tiny-q8_0.gguf"
+    source = GGUFTensors(path)
+    types = set()
+    for tensor in GGUFReader(path).tensors:
+        want = gguf_dequantize(tensor)
+        got = source.read_float(tensor.name)
+        assert torch.equal(got, want), tensor.name
+        types.add(tensor.tensor_type.name)
+    assert {"F32", "Q8_0"} <= types
+
+
+def gguf_dequantize(tensor) -> torch.Tensor:
+    import gguf
+
+    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(tuple(int(n) for n in reversed(tensor.shape)))
+
+
+def test_mtp_layers_are_not_read_nor_counted():
+    config, checkpoint = read_checkpoint(DATA / "qwen35-tiny-f32.gguf")
+    assert all(not n.startswith("mtp.") for n in checkpoint.names)
+    counted = weights_nbytes(DATA / "qwen35-tiny-f32.gguf", torch.float32)
+    model = load_model(DATA / "qwen35-tiny-f32.gguf")
+    assert counted == 4 * sum(p.numel() for p in model.parameters())
+    assert config.tie_word_embeddings == (model.lm_head is None)
+
+
+def write_gguf(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType | None]]) -> Path:
+    writer = GGUFWriter(str(path), arch)
+    for name, (data, raw_type) in tensors.items():
+        writer.add_tensor(name, data, raw_dtype=raw_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_what_cannot_be_read_is_named(tmp_path):
+    with pytest.raises(NotSupported, match="llama"):
+        load_model(
+            write_gguf(tmp_path / "llama.gguf", "llama", {"token_embd.weight": (np.zeros((4, 8), np.float32), None)})
+        )
+    # a tensor of a type hybridkv does not read: named with its type, before any weight is read
+    source = DATA / "qwen35-tiny-f32.gguf"
+    reader = GGUFReader(source)
+    bad = tmp_path / "q2k.gguf"
+    writer = GGUFWriter(str(bad), "qwen35")
+    for field in reader.fields.values():
+        if not field.name.startswith(("GGUF.", "general.architecture")):
+            writer.add_key_value(
+                field.name, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None
+            )
+    for tensor in reader.tensors:
+        data, kind = np.array(tensor.data), tensor.tensor_type
+        if tensor.name == "blk.0.ffn_down.weight":
+            rows, cols = tensor.data.shape
+            data, kind = np.zeros((rows, cols // 256 * 84 if cols >= 256 else 84), np.uint8), GGMLQuantizationType.Q2_K
+        writer.add_tensor(tensor.name, data, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(NotSupported, match=r"blk\.0\.ffn_down\.weight.*Q2_K"):
+        load_model(bad)
