@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from safetensors.torch import load_file, save_file
 from test_parity import assert_close
 from tiny import TinyCache
@@ -109,30 +109,102 @@ def write_gguf(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, GGMLQ
     return path
 
 
+def rewrite(src: Path, dst: Path, arch: str | None = None, keys=None, tensors=None) -> Path:
+    """A copy of GGUF file `src` written by gguf-py, as another converter would lay it out:
+    `arch` renames the architecture (and its key prefix); `keys(name, value)` returns the new
+    (name, value) or None to drop it; `tensors(name, data, type)` returns [(name, data, type)]."""
+    reader = GGUFReader(src)
+    old = str(reader.fields["general.architecture"].contents())
+    arch = arch or old
+    writer = GGUFWriter(str(dst), arch)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        name = arch + field.name[len(old) :] if field.name.startswith(old + ".") else field.name
+        changed = keys(name, field.contents()) if keys else (name, field.contents())
+        if changed is None:
+            continue
+        name, value = changed
+        if isinstance(value, list) and field.types[0] != GGUFValueType.ARRAY:
+            writer.add_array(name, value)
+        else:
+            writer.add_key_value(name, value, field.types[0], field.types[-1] if len(field.types) > 1 else None)
+    for tensor in reader.tensors:
+        data = np.array(tensor.data)
+        for name, out, kind in (
+            tensors(tensor.name, data, tensor.tensor_type) if tensors else [(tensor.name, data, None)]
+        ):
+            writer.add_tensor(name, out, raw_dtype=kind or tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+def test_ollamas_own_layout_of_qwen3_next_loads(tmp_path):
+    """ollama's converter: arch qwen35moe for a Qwen3-Next, per-layer head_count_kv (0 = recurrent)
+    instead of recurrent_layers, ssm_dt without .bias."""
+
+    def keys(name: str, value):
+        if name.endswith("attention.recurrent_layers"):
+            return None
+        if name.endswith("attention.head_count_kv"):
+            return name, [0, 0, 0, value]  # the fixture: attention in layer 3 of 4
+        return name, value
+
+    def tensors(name: str, data, kind):
+        return [(name.removesuffix(".bias") if name.endswith("ssm_dt.bias") else name, data, kind)]
+
+    path = rewrite(DATA / "qwen3next-tiny-f32.gguf", tmp_path / "ollama.gguf", "qwen35moe", keys, tensors)
+    model = load_model(path)
+    assert model.config.family == "qwen3_next" and model.config.layer_kinds[3] == "attention"
+    tokens, logits = golden("qwen3next-tiny")
+    assert_close(run(model, tokens), logits)
+
+
+def test_llama_cpps_first_qwen3_next_layout_with_ssm_in_loads(tmp_path):
+    """The first llama.cpp files kept HF's grouped in_proj_qkvz as one `ssm_in` tensor."""
+    metadata = GGUFReader(DATA / "qwen3next-tiny-f32.gguf").fields
+    Hk = int(metadata["qwen3next.ssm.group_count"].contents())
+    dk = int(metadata["qwen3next.ssm.state_size"].contents())
+    value_dim = int(metadata["qwen3next.ssm.inner_size"].contents())
+    held: dict[str, np.ndarray] = {}
+
+    def tensors(name: str, data, kind):
+        if name.endswith(("attn_qkv.weight", "attn_gate.weight")):
+            held[name.rsplit(".", 2)[1]] = data
+            if len(held) < 2:
+                return []
+            qkv, z = held.pop("attn_qkv"), held.pop("attn_gate")
+            q, k, v = np.split(qkv, [Hk * dk, 2 * Hk * dk])
+            groups = [
+                np.concatenate(
+                    [q[h * dk : (h + 1) * dk], k[h * dk : (h + 1) * dk], v[h * w : (h + 1) * w], z[h * w : (h + 1) * w]]
+                )
+                for h in range(Hk)
+                for w in [value_dim // Hk]
+            ]
+            return [(name.rsplit(".", 2)[0] + ".ssm_in.weight", np.concatenate(groups), kind)]
+        return [(name, data, kind)]
+
+    model = load_model(rewrite(DATA / "qwen3next-tiny-f32.gguf", tmp_path / "legacy.gguf", tensors=tensors))
+    tokens, logits = golden("qwen3next-tiny")
+    assert_close(run(model, tokens), logits)
+
+
 def test_what_cannot_be_read_is_named(tmp_path):
     with pytest.raises(NotSupported, match="llama"):
         load_model(
             write_gguf(tmp_path / "llama.gguf", "llama", {"token_embd.weight": (np.zeros((4, 8), np.float32), None)})
         )
+
     # a tensor of a type hybridkv does not read: named with its type, before any weight is read
-    source = DATA / "qwen35-tiny-f32.gguf"
-    reader = GGUFReader(source)
-    bad = tmp_path / "q2k.gguf"
-    writer = GGUFWriter(str(bad), "qwen35")
-    for field in reader.fields.values():
-        if not field.name.startswith(("GGUF.", "general.architecture")):
-            writer.add_key_value(
-                field.name, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None
-            )
-    for tensor in reader.tensors:
-        data, kind = np.array(tensor.data), tensor.tensor_type
-        if tensor.name == "blk.0.ffn_down.weight":
-            rows, cols = tensor.data.shape
-            data, kind = np.zeros((rows, cols // 256 * 84 if cols >= 256 else 84), np.uint8), GGMLQuantizationType.Q2_K
-        writer.add_tensor(tensor.name, data, raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    def q2k(name: str, data, kind):
+        if name == "blk.0.ffn_down.weight":
+            return [(name, np.zeros((data.shape[0], 84), np.uint8), GGMLQuantizationType.Q2_K)]  # one block a row
+        return [(name, data, kind)]
+
+    bad = rewrite(DATA / "qwen35-tiny-f32.gguf", tmp_path / "q2k.gguf", tensors=q2k)
     with pytest.raises(NotSupported, match=r"blk\.0\.ffn_down\.weight.*Q2_K"):
         load_model(bad)
