@@ -4,19 +4,23 @@ the bookkeeping stays whole after every step."""
 from __future__ import annotations
 
 import functools
+import json
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import transformers
 from hf_reference import hf_logits, make_hf_model, max_rel_err, save_checkpoint
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from qwen35_reference import make_qwen35, qwen35_logits, save_qwen35
+from safetensors.torch import save_file
 
 from hybridkv import CacheConfig, CachedModel, CacheFull
+from hybridkv.models.gguf_checkpoint import GGUFCheckpoint, GGUFTensors
 
 MAX_LEN = 48
 VOCAB = 128
@@ -26,6 +30,13 @@ VOCAB = 128
 def reference(family: str) -> tuple[Any, Path, Any]:
     """(transformers model, checkpoint dir, its no-cache logits function) of a family's tiny model."""
     path = Path(tempfile.mkdtemp(prefix=f"hybridkv-programs-{family}-"))
+    if family == "gguf_q8_0":  # llama.cpp's converter's file; transformers on its dequantized weights
+        gguf = Path(__file__).parent / "data" / "gguf" / "qwen35moe-tiny-q8_0.gguf"
+        checkpoint = GGUFCheckpoint(GGUFTensors(gguf))
+        save_file({n: checkpoint.read(n).contiguous() for n in checkpoint.names}, str(path / "model.safetensors"))
+        (path / "config.json").write_text(json.dumps(checkpoint.hf_config))
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+        return hf, gguf, qwen35_logits
     if family == "qwen3_next":
         model = make_hf_model(seed=11, full_attention_interval=2)
         return model, save_checkpoint(model, path), hf_logits
@@ -153,6 +164,10 @@ class Qwen35MoePrograms(CachePrograms):
     family = "qwen3_5_moe"
 
 
+class GGUFPrograms(CachePrograms):
+    family = "gguf_q8_0"
+
+
 CachePrograms.TestCase.settings = _settings(30)
 TestCachePrograms = CachePrograms.TestCase
 # Qwen3.5: a short run by default, the long one under -m slow.
@@ -160,6 +175,8 @@ Qwen35DensePrograms.TestCase.settings = _settings(8)
 Qwen35MoePrograms.TestCase.settings = _settings(8)
 TestQwen35DensePrograms = Qwen35DensePrograms.TestCase
 TestQwen35MoePrograms = Qwen35MoePrograms.TestCase
+GGUFPrograms.TestCase.settings = _settings(6)
+TestGGUFPrograms = GGUFPrograms.TestCase
 
 
 class Qwen35DenseProgramsLong(Qwen35DensePrograms):
