@@ -88,17 +88,22 @@ def test_prefill_in_chunks_mixed_with_decode_matches_transformers(tiny_checkpoin
     hf, path = tiny_checkpoint
     model = load_model(path)
     long, short = random_tokens(15, seed=3), random_tokens(6, seed=4)
+    ours_long, ours_short = chunks_mixed_with_decode(model, long, short)
+    assert_close(ours_long, hf_logits(hf, long))
+    assert_close(ours_short, hf_logits(hf, short))
+
+
+def chunks_mixed_with_decode(model, long: list[int], short: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our logits for `long` (15 tokens) fed in chunks of 5, 1, 4 and 5 while `short` (6) prefills 3
+    then decodes in the same forwards: mixed batches of long and one-token feeds."""
     cache = TinyCache(model.config, num_seqs=2, max_len=16)
     outs: dict[int, list[torch.Tensor]] = {0: [], 1: []}
-    # Sequence 0 arrives in chunks of 5, 1, 4 and 5 tokens while sequence 1 prefills then decodes
-    # in the same forwards: mixed batches of long and one-token feeds.
     plan = [((0, 5), (1, 3)), ((0, 1), (1, 1)), ((0, 4), (1, 1)), ((0, 5), (1, 1))]
     for feeds in plan:
         chunk = [(seq, (long if seq == 0 else short)[cache.lens[seq] : cache.lens[seq] + n]) for seq, n in feeds]
         for (seq, _), logits in zip(feeds, cache.run(model, chunk), strict=True):
             outs[seq].append(logits)
-    assert_close(torch.cat(outs[0]), hf_logits(hf, long))
-    assert_close(torch.cat(outs[1]), hf_logits(hf, short))
+    return torch.cat(outs[0]), torch.cat(outs[1])
 
 
 def test_logits_indices_select_rows(tiny_checkpoint):

@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 from qwen35_reference import qwen35_logits
-from test_parity import BF16_MAX_TOL, BF16_MEAN_TOL, assert_close, random_tokens
+from test_parity import BF16_MAX_TOL, BF16_MEAN_TOL, assert_close, chunks_mixed_with_decode, random_tokens
 from tiny import TinyCache
 
 from hybridkv.errors import NotSupported
@@ -55,15 +55,9 @@ def test_prefill_in_chunks_mixed_with_decode_matches_transformers(make_qwen35_ch
     model = load_model(path)
     assert isinstance(model, Qwen3_5Model)
     long, short = random_tokens(15, seed=3), random_tokens(6, seed=4)
-    cache = TinyCache(model.config, num_seqs=2, max_len=16)
-    outs: dict[int, list[torch.Tensor]] = {0: [], 1: []}
-    # prefill chunks of 5, 1, 4, 5 for sequence 0 while sequence 1 prefills 3 tokens then decodes
-    for feeds in [((0, 5), (1, 3)), ((0, 1), (1, 1)), ((0, 4), (1, 1)), ((0, 5), (1, 1))]:
-        chunk = [(seq, (long if seq == 0 else short)[cache.lens[seq] : cache.lens[seq] + n]) for seq, n in feeds]
-        for (seq, _), logits in zip(feeds, cache.run(model, chunk), strict=True):
-            outs[seq].append(logits)
-    assert_close(torch.cat(outs[0]), qwen35_logits(hf, long))
-    assert_close(torch.cat(outs[1]), qwen35_logits(hf, short))
+    ours_long, ours_short = chunks_mixed_with_decode(model, long, short)
+    assert_close(ours_long, qwen35_logits(hf, long))
+    assert_close(ours_short, qwen35_logits(hf, short))
 
 
 def test_the_head_is_tied_exactly_when_the_file_has_no_lm_head(make_qwen35_checkpoint):
