@@ -91,7 +91,7 @@ def iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
     return _IQ4_NL_LEVELS.index_select(0, q).view(-1, 32).mul_(_f16(blocks, 0))
 
 
-def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_K/Q5_K's 12 scale bytes → 6-bit (scale, min) of the 8 sub-blocks, each [B, 8] uint8.
 
     Bytes 0–3 hold scales 0–3 (low 6 bits), bytes 4–7 mins 0–3; sub-blocks 4–7 keep their low 4
@@ -105,33 +105,49 @@ def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
-def _k_affine(blocks: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """(d·sc_j)·q − dmin·m_j over 8 sub-blocks of 32; q [B, 8, 32] uint8."""
-    sc, mn = _k_scales(blocks[:, 4:16])
-    scale = (_f16(blocks, 0) * sc.float())[:, :, None]
-    offset = (_f16(blocks, 2) * mn.float())[:, :, None]
-    return q.float().mul_(scale).sub_(offset).view(-1, QK_K)
+def q4_k_codes(blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_K blocks → q in 0..15 per sub-block, uint8 [B, 8, 32]: 32-byte chunk c of qs holds
+    sub-block 2c in its low nibbles, 2c+1 in its high ones."""
+    return _fields(blocks[:, 16:].reshape(-1, 32), 4).view(-1, 8, 32)
 
 
-def q4_k(blocks: torch.Tensor) -> torch.Tensor:
-    """f16 d; f16 dmin; u8 scales[12]; u8 qs[128]: 32-byte chunk c holds sub-block 2c in its low
-    nibbles, 2c+1 in its high ones."""
-    return _k_affine(blocks, _fields(blocks[:, 16:].reshape(-1, 32), 4).view(-1, 8, 32))
-
-
-def q5_k(blocks: torch.Tensor) -> torch.Tensor:
-    """As Q4_K with qh[32] before qs: bit j of qh[l] is bit 4 of weight l of sub-block j."""
+def q5_k_codes(blocks: torch.Tensor) -> torch.Tensor:
+    """Q5_K blocks → q in 0..31, uint8 [B, 8, 32]: Q4_K's nibbles (qs after qh[32]) with bit 4 of
+    weight l of sub-block j at bit j of qh[l]."""
     low = _fields(blocks[:, 48:].reshape(-1, 32), 4).view(-1, 8, 32)
-    return _k_affine(blocks, low | (_fields(blocks[:, 16:48], 1) << 4))
+    return low | (_fields(blocks[:, 16:48], 1) << 4)
 
 
-def q6_k(blocks: torch.Tensor) -> torch.Tensor:
-    """u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d (last) → d·sc_j·(q − 32) over 16 sub-blocks of 16.
+def q6_k_codes(blocks: torch.Tensor) -> torch.Tensor:
+    """Q6_K blocks → unsigned q in 0..63 (the weight is q − 32), uint8 [B, 16, 16].
 
     Per 128-weight half: ql's 64 bytes give weights 0–63 (low nibbles) and 64–127 (high); qh's 32
     bytes give their top 2 bits, weights 32i..32i+31 from bits 2i, 2i+1.
     """
     low = _fields(blocks[:, :128].reshape(-1, 64), 4).view(-1, 16, 16)
     high = _fields(blocks[:, 128:192].reshape(-1, 32), 2).view(-1, 16, 16)
+    return low | (high << 4)
+
+
+def _k_affine(blocks: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """(d·sc_j)·q − dmin·m_j over 8 sub-blocks of 32; q [B, 8, 32] uint8."""
+    sc, mn = k_scales(blocks[:, 4:16])
+    scale = (_f16(blocks, 0) * sc.float())[:, :, None]
+    offset = (_f16(blocks, 2) * mn.float())[:, :, None]
+    return q.float().mul_(scale).sub_(offset).view(-1, QK_K)
+
+
+def q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    """f16 d; f16 dmin; u8 scales[12]; u8 qs[128] → (d·sc_j)·q − dmin·m_j."""
+    return _k_affine(blocks, q4_k_codes(blocks))
+
+
+def q5_k(blocks: torch.Tensor) -> torch.Tensor:
+    """As Q4_K with qh[32] before qs: 5-bit q."""
+    return _k_affine(blocks, q5_k_codes(blocks))
+
+
+def q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    """u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d (last) → d·sc_j·(q − 32) over 16 sub-blocks of 16."""
     scale = _f16(blocks, 208) * blocks[:, 192:208].contiguous().view(torch.int8).float()
-    return (low | (high << 4)).float().sub_(32).mul_(scale[:, :, None]).view(-1, QK_K)
+    return q6_k_codes(blocks).float().sub_(32).mul_(scale[:, :, None]).view(-1, QK_K)

@@ -13,7 +13,7 @@ from enum import IntEnum
 
 import torch
 
-from hybridkv.ops.quant import blocks, int8_dot
+from hybridkv.ops.quant import blocks, int8_dot, k_dot
 
 
 class GGMLType(IntEnum):
@@ -109,9 +109,9 @@ TRAITS: dict[GGMLType, BlockType] = {
         BlockType(_T.Q5_0, 32, 22, blocks.q5_0, _T.Q8_0),
         BlockType(_T.Q5_1, 32, 24, blocks.q5_1, _T.Q8_1),
         BlockType(_T.IQ4_NL, 32, 18, blocks.iq4_nl, _T.Q8_0),
-        BlockType(_T.Q4_K, 256, 144, blocks.q4_k, _T.Q8_K),
-        BlockType(_T.Q5_K, 256, 176, blocks.q5_k, _T.Q8_K),
-        BlockType(_T.Q6_K, 256, 210, blocks.q6_k, _T.Q8_K),
+        BlockType(_T.Q4_K, 256, 144, blocks.q4_k, _T.Q8_K, k_dot.k_matmul(_T.Q4_K)),
+        BlockType(_T.Q5_K, 256, 176, blocks.q5_k, _T.Q8_K, k_dot.k_matmul(_T.Q5_K)),
+        BlockType(_T.Q6_K, 256, 210, blocks.q6_k, _T.Q8_K, k_dot.k_matmul(_T.Q6_K)),
     )
 }
 

@@ -1,0 +1,460 @@
+// K-quant decode kernels: Q4_K / Q5_K / Q6_K weights × Q8_K activations (PyTorch twin and Python
+// signatures: hybridkv/ops/quant/k_dot.py).
+//
+// llama.cpp's scheme (ggml-cpu `ggml_vec_dot_q*_K_q8_K`): each activation row is quantized once into
+// Q8_K super-blocks of 256 (f32 d, i8 q[256], i16 bsums[16]); a weight super-block, read in place
+// from the file's rows, meets one as two exact integers, S = Σ_j sc_j·(q·x)_j over its sub-blocks
+// and M = Σ_j m_j·bsum_j, and the row sum takes (d_w·d_x)·S − (dmin_w·d_x)·M: one float multiply-add
+// per super-block. Q6_K's codes are unsigned with m_j = 32·sc_j in units of d: (d_w·d_x)·(S − M).
+// Two code paths give the same integers: AVX2 (`maddubs`: u8 code × s8 activation into i16 pairs,
+// then `madd` by the i16 scale into i32) and a plain loop; `isa` picks one, so the tests run both.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+constexpr int QK_K = 256;
+
+enum class Isa { Scalar, Avx2 };
+
+std::vector<std::string> kq_isas() {
+  std::vector<std::string> isas;
+#ifdef __AVX2__
+  isas.push_back("avx2");
+#endif
+  isas.push_back("scalar");
+  return isas;
+}
+
+Isa parse_isa(const std::string& name) {
+  const std::vector<std::string> have = kq_isas();
+  const std::string pick = name == "auto" ? have.front() : name;
+  std::string listed;
+  for (const auto& h : have) listed += (listed.empty() ? "" : ", ") + h;
+  TORCH_CHECK(std::find(have.begin(), have.end(), pick) != have.end(), "isa '", name,
+              "' is not available in this build (this CPU: ", listed, ", or auto)");
+  return pick == "avx2" ? Isa::Avx2 : Isa::Scalar;
+}
+
+inline float fp16(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+#ifdef __F16C__
+  return _cvtsh_ss(bits);
+#else
+  return c10::detail::fp16_ieee_to_fp32_value(bits);
+#endif
+}
+
+// x [256] → Q8_K as `quantize_row_q8_K_ref`: the first element of largest |x| maps to −127 exactly
+// (iscale = −127/max), so d = 1/iscale has the opposite sign of max. The product is rounded to
+// float before nearbyint (ties to even), as the reference's separate `nearest_int` does.
+void quantize_superblock(const float* x, int8_t* q, float* d, int16_t* bsums) {
+  float amax = 0.f, peak = 0.f;
+  for (int j = 0; j < QK_K; ++j) {
+    const float ax = std::fabs(x[j]);
+    if (ax > amax) amax = ax, peak = x[j];
+  }
+  if (amax == 0.f) {
+    std::memset(q, 0, QK_K);
+    std::memset(bsums, 0, QK_K / 16 * sizeof(int16_t));
+    *d = 0.f;
+    return;
+  }
+  const float iscale = -127.f / peak;
+  for (int j = 0; j < QK_K; ++j) {
+    const float v = iscale * x[j];
+    q[j] = static_cast<int8_t>(std::min(127.f, std::nearbyint(v)));
+  }
+  for (int g = 0; g < QK_K / 16; ++g) {
+    int s = 0;
+    for (int j = 0; j < 16; ++j) s += q[g * 16 + j];
+    bsums[g] = static_cast<int16_t>(s);
+  }
+  *d = 1.f / iscale;
+}
+
+// Q4_K/Q5_K's 12 scale bytes → 8 scales then 8 mins (6 bits each) as bytes of u[0..3], llama.cpp's
+// word-wide `get_scale_min_k4`.
+inline void k4_scales_mins(const uint8_t* scales, uint32_t u[4]) {
+  constexpr uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
+  std::memcpy(u, scales, 12);
+  u[3] = ((u[2] >> 4) & kmask2) | (((u[1] >> 6) & kmask3) << 4);
+  const uint32_t mins_lo = u[1] & kmask1;
+  u[1] = (u[2] & kmask2) | (((u[0] >> 6) & kmask3) << 4);
+  u[2] = mins_lo;
+  u[0] &= kmask1;
+}
+
+struct Sums {
+  int32_t s, m;
+};
+
+// Each type: its block layout, where its d (and dmin) sit, and the integer sums of one super-block
+// pair — `scalar` plainly, `avx2` as 8 lanes of S and of M (the lanes add up to S and M).
+struct Q4K {
+  static constexpr int bytes = 144, d_at = 0, dmin_at = 2;
+  static constexpr bool mins_in_d = false;
+
+  static Sums scalar(const uint8_t* w, const int8_t* a, const int16_t* bsums) {
+    uint32_t u[4];
+    k4_scales_mins(w + 4, u);
+    const auto* sc = reinterpret_cast<const uint8_t*>(u);
+    const uint8_t* qs = w + 16;
+    Sums r{0, 0};
+    for (int c = 0; c < 4; ++c) {  // 32 bytes: sub-block 2c in low nibbles, 2c+1 in high
+      int32_t lo = 0, hi = 0;
+      for (int l = 0; l < 32; ++l) {
+        lo += (qs[32 * c + l] & 15) * a[64 * c + l];
+        hi += (qs[32 * c + l] >> 4) * a[64 * c + 32 + l];
+      }
+      r.s += sc[2 * c] * lo + sc[2 * c + 1] * hi;
+    }
+    for (int j = 0; j < 8; ++j) r.m += sc[8 + j] * (bsums[2 * j] + bsums[2 * j + 1]);
+    return r;
+  }
+#ifdef __AVX2__
+  static void avx2(const uint8_t* w, const int8_t* a, const int16_t* bsums, __m256i& s, __m256i& m);
+#endif
+};
+
+struct Q5K {
+  static constexpr int bytes = 176, d_at = 0, dmin_at = 2;
+  static constexpr bool mins_in_d = false;
+
+  static Sums scalar(const uint8_t* w, const int8_t* a, const int16_t* bsums) {
+    uint32_t u[4];
+    k4_scales_mins(w + 4, u);
+    const auto* sc = reinterpret_cast<const uint8_t*>(u);
+    const uint8_t *qh = w + 16, *qs = w + 48;
+    Sums r{0, 0};
+    for (int j = 0; j < 8; ++j) {  // bit j of qh[l] is bit 4 of weight l of sub-block j
+      int32_t dot = 0;
+      for (int l = 0; l < 32; ++l) {
+        const int q = ((qs[32 * (j / 2) + l] >> (4 * (j & 1))) & 15) | (((qh[l] >> j) & 1) << 4);
+        dot += q * a[32 * j + l];
+      }
+      r.s += sc[j] * dot;
+      r.m += sc[8 + j] * (bsums[2 * j] + bsums[2 * j + 1]);
+    }
+    return r;
+  }
+#ifdef __AVX2__
+  static void avx2(const uint8_t* w, const int8_t* a, const int16_t* bsums, __m256i& s, __m256i& m);
+#endif
+};
+
+struct Q6K {
+  static constexpr int bytes = 210, d_at = 208, dmin_at = -1;
+  static constexpr bool mins_in_d = true;
+
+  static Sums scalar(const uint8_t* w, const int8_t* a, const int16_t* bsums) {
+    const auto* sc = reinterpret_cast<const int8_t*>(w + 192);
+    int32_t dot[16] = {};
+    for (int h = 0; h < 2; ++h) {  // per half: ql[64], qh[32] give weights l, l+32, l+64, l+96
+      const uint8_t *ql = w + 64 * h, *qh = w + 128 + 32 * h;
+      const int8_t* x = a + 128 * h;
+      for (int l = 0; l < 32; ++l) {
+        const int is = 8 * h + l / 16;
+        dot[is + 0] += ((ql[l] & 15) | ((qh[l] & 3) << 4)) * x[l];
+        dot[is + 2] += ((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) * x[l + 32];
+        dot[is + 4] += ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) * x[l + 64];
+        dot[is + 6] += ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) * x[l + 96];
+      }
+    }
+    Sums r{0, 0};
+    for (int j = 0; j < 16; ++j) r.s += sc[j] * dot[j], r.m += 32 * sc[j] * bsums[j];
+    return r;
+  }
+#ifdef __AVX2__
+  static void avx2(const uint8_t* w, const int8_t* a, const int16_t* bsums, __m256i& s, __m256i& m);
+#endif
+};
+
+#ifdef __AVX2__
+inline __m256i load(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+
+// The i16 pair sums of codes (u8, below 64) × activations (s8): |pair| <= 2·63·128 < 2^15, exact.
+inline __m256i times_scale(__m256i codes, const int8_t* a, __m256i scale16) {
+  return _mm256_madd_epi16(scale16, _mm256_maddubs_epi16(codes, load(a)));
+}
+
+// M of Q4_K/Q5_K: the 8 sub-block activation sums (pairs of bsums) times the 8 mins, in 4 lanes.
+inline __m256i k4_mins(const uint32_t u[4], const int16_t* bsums) {
+  const __m128i mins = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, u[3], u[2]));
+  const __m256i b = load(bsums);
+  const __m128i pairs = _mm_hadd_epi16(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+  return _mm256_set_m128i(_mm_setzero_si128(), _mm_madd_epi16(mins, pairs));
+}
+
+void Q4K::avx2(const uint8_t* w, const int8_t* a, const int16_t* bsums, __m256i& s, __m256i& m) {
+  uint32_t u[4];
+  k4_scales_mins(w + 4, u);
+  const auto* sc = reinterpret_cast<const uint8_t*>(u);
+  const __m256i m4 = _mm256_set1_epi8(15);
+  s = _mm256_setzero_si256();
+  for (int c = 0; c < 4; ++c) {
+    const __m256i bits = load(w + 16 + 32 * c);
+    const __m256i lo = _mm256_and_si256(bits, m4), hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+    s = _mm256_add_epi32(s, times_scale(lo, a + 64 * c, _mm256_set1_epi16(sc[2 * c])));
+    s = _mm256_add_epi32(s, times_scale(hi, a + 64 * c + 32, _mm256_set1_epi16(sc[2 * c + 1])));
+  }
+  m = k4_mins(u, bsums);
+}
+
+void Q5K::avx2(const uint8_t* w, const int8_t* a, const int16_t* bsums, __m256i& s, __m256i& m) {
+  uint32_t u[4];
+  k4_scales_mins(w + 4, u);
+  const auto* sc = reinterpret_cast<const uint8_t*>(u);
+  const __m256i m4 = _mm256_set1_epi8(15), bit4 = _mm256_set1_epi8(16);
+  const __m256i qh = load(w + 16);
+  s = _mm256_setzero_si256();
+  for (int c = 0; c < 4; ++c) {
+    const __m256i bits = load(w + 48 + 32 * c);
+    // Bit j of each qh byte moved to bit 4: a 16-bit shift is safe once the other bits are masked.
+    const __m256i h_lo = _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, 2 * c), 4), bit4);
+    const __m256i h_hi = _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, 2 * c + 1), 4), bit4);
+    const __m256i lo = _mm256_or_si256(_mm256_and_si256(bits, m4), h_lo);
+    const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits, 4), m4), h_hi);
+    s = _mm256_add_epi32(s, times_scale(lo, a + 64 * c, _mm256_set1_epi16(sc[2 * c])));
+    s = _mm256_add_epi32(s, times_scale(hi, a + 64 * c + 32, _mm256_set1_epi16(sc[2 * c + 1])));
+  }
+  m = k4_mins(u, bsums);
+}
+
+// Two sub-blocks of 16 as one i16 scale vector: sc[j] in lanes 0–7, sc[j+1] in lanes 8–15.
+inline __m256i pair_scale(const int8_t* sc, int j) {
+  return _mm256_set_m128i(_mm_set1_epi16(sc[j + 1]), _mm_set1_epi16(sc[j]));
+}
+
+void Q6K::avx2(const uint8_t* w, const int8_t* a, const int16_t* bsums, __m256i& s, __m256i& m) {
+  const auto* sc = reinterpret_cast<const int8_t*>(w + 192);
+  const __m256i m15 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
+  s = _mm256_setzero_si256();
+  for (int h = 0; h < 2; ++h) {
+    const __m256i ql0 = load(w + 64 * h), ql1 = load(w + 64 * h + 32), qh = load(w + 128 + 32 * h);
+    const int8_t* x = a + 128 * h;
+    // Top 2 bits of weights l, l+32, l+64, l+96 from qh bits 0–1, 2–3, 4–5, 6–7, moved to bits 4–5.
+    const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4);
+    const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4);
+    const __m256i h2 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m3), 4);
+    const __m256i h3 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4);
+    const __m256i q0 = _mm256_or_si256(_mm256_and_si256(ql0, m15), h0);
+    const __m256i q1 = _mm256_or_si256(_mm256_and_si256(ql1, m15), h1);
+    const __m256i q2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m15), h2);
+    const __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m15), h3);
+    const int is = 8 * h;
+    s = _mm256_add_epi32(s, times_scale(q0, x, pair_scale(sc, is)));
+    s = _mm256_add_epi32(s, times_scale(q1, x + 32, pair_scale(sc, is + 2)));
+    s = _mm256_add_epi32(s, times_scale(q2, x + 64, pair_scale(sc, is + 4)));
+    s = _mm256_add_epi32(s, times_scale(q3, x + 96, pair_scale(sc, is + 6)));
+  }
+  // M = 32·Σ sc_j·bsum_j, in 8 lanes.
+  m = _mm256_slli_epi32(_mm256_madd_epi16(load(bsums), _mm256_cvtepi8_epi16(_mm_loadu_si128(
+                                                           reinterpret_cast<const __m128i*>(sc)))),
+                        5);
+}
+
+inline int32_t hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+inline float hsum_f32(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+template <class KT, Isa I>
+inline Sums superblock(const uint8_t* w, const int8_t* a, const int16_t* bsums) {
+#ifdef __AVX2__
+  if constexpr (I == Isa::Avx2) {
+    __m256i s, m;
+    KT::avx2(w, a, bsums, s, m);
+    return {hsum_i32(s), hsum_i32(m)};
+  }
+#endif
+  return KT::scalar(w, a, bsums);
+}
+
+// One weight row (nb super-blocks at w) · one activation row (q at a, d at dx, bsums).
+template <class KT, Isa I>
+float row_dot(const uint8_t* w, const int8_t* a, const float* dx, const int16_t* bsums, int64_t nb) {
+#ifdef __AVX2__
+  if constexpr (I == Isa::Avx2) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* wb = w + b * KT::bytes;
+      __m256i s, m;
+      KT::avx2(wb, a + b * QK_K, bsums + b * 16, s, m);
+      const float d = fp16(wb + KT::d_at) * dx[b];
+      if constexpr (KT::mins_in_d) {
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_sub_epi32(s, m)), acc);
+      } else {
+        const float dmin = -(fp16(wb + KT::dmin_at) * dx[b]);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(s), acc);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(m), acc);
+      }
+    }
+    return hsum_f32(acc);
+  }
+#endif
+  float y = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* wb = w + b * KT::bytes;
+    const Sums r = KT::scalar(wb, a + b * QK_K, bsums + b * 16);
+    const float d = fp16(wb + KT::d_at) * dx[b];
+    if constexpr (KT::mins_in_d) {
+      y += d * static_cast<float>(r.s - r.m);
+    } else {
+      y += d * static_cast<float>(r.s) - (fp16(wb + KT::dmin_at) * dx[b]) * static_cast<float>(r.m);
+    }
+  }
+  return y;
+}
+
+struct Q8K {
+  at::Tensor q, d, bsums;
+};
+
+Q8K quantize(const at::Tensor& x_in) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) % QK_K == 0,
+              "quantize_rows_q8_k: x must be [T, K] with K a multiple of 256, got ", x_in.sizes());
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t T = x.size(0), K = x.size(1), nb = K / QK_K;
+  Q8K r{at::empty({T, K}, x.options().dtype(at::kChar)), at::empty({T, nb}, x.options()),
+        at::empty({T, K / 16}, x.options().dtype(at::kShort))};
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = r.q.data_ptr<int8_t>();
+  float* dp = r.d.data_ptr<float>();
+  int16_t* bp = r.bsums.data_ptr<int16_t>();
+  at::parallel_for(0, T * nb, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) quantize_superblock(xp + i * QK_K, qp + i * QK_K, dp + i, bp + i * 16);
+  });
+  return r;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows_q8_k(const at::Tensor& x) {
+  Q8K r = quantize(x);
+  return {r.q, r.d, r.bsums};
+}
+
+int block_bytes(int64_t ggml_type) {
+  switch (ggml_type) {
+    case 12: return Q4K::bytes;
+    case 13: return Q5K::bytes;
+    case 14: return Q6K::bytes;
+  }
+  TORCH_CHECK(false, "K-quant kernels take ggml types 12 (Q4_K), 13 (Q5_K), 14 (Q6_K), not ", ggml_type);
+  return 0;
+}
+
+int64_t check_rows(const at::Tensor& w, int64_t K, int64_t ggml_type, const char* op) {
+  const int bytes = block_bytes(ggml_type);
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), op,
+              ": weight rows must be a contiguous uint8 [N, K/256*", bytes, "] tensor, got ", w.scalar_type(), " ",
+              w.sizes());
+  TORCH_CHECK(K % QK_K == 0 && w.size(1) == K / QK_K * bytes, op, ": activations of ", K, " features need rows of ",
+              K / QK_K * bytes, " bytes (K a multiple of 256), got ", w.size(1));
+  return w.size(0);
+}
+
+template <class KT, Isa I>
+void sums_impl(const int8_t* a, const int16_t* bs, int64_t T, int64_t K, const uint8_t* w, int64_t N, int32_t* out) {
+  const int64_t nb = K / QK_K;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t b = 0; b < nb; ++b) {
+          const Sums r = superblock<KT, I>(w + (n * nb + b) * KT::bytes, a + t * K + b * QK_K, bs + t * K / 16 + b * 16);
+          int32_t* o = out + ((t * N + n) * nb + b) * 2;
+          o[0] = r.s, o[1] = r.m;
+        }
+  });
+}
+
+// y [T, N] = x @ W.T: threads split W's rows; each weight row is read once from memory and dotted
+// with every activation row while it sits in L1.
+template <class KT, Isa I>
+void matmul_impl(const Q8K& xq, const uint8_t* w, int64_t N, float* y) {
+  const int64_t T = xq.q.size(0), K = xq.q.size(1), nb = K / QK_K;
+  const int8_t* a = xq.q.data_ptr<int8_t>();
+  const float* dx = xq.d.data_ptr<float>();
+  const int16_t* bs = xq.bsums.data_ptr<int16_t>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t t = 0; t < T; ++t)
+        y[t * N + n] = row_dot<KT, I>(w + n * nb * KT::bytes, a + t * K, dx + t * nb, bs + t * K / 16, nb);
+  });
+}
+
+// (S, M) of every super-block pair: q int8 [T, K], bsums int16 [T, K/16], rows [N, ·] → int32 [T, N, nb, 2].
+at::Tensor kq_superblock_sums(const at::Tensor& q_in, const at::Tensor& bsums_in, const at::Tensor& w,
+                              int64_t ggml_type, const std::string& isa) {
+  TORCH_CHECK(q_in.scalar_type() == at::kChar && q_in.dim() == 2, "kq_superblock_sums: q must be int8 [T, K]");
+  const at::Tensor q = q_in.contiguous(), bsums = bsums_in.to(at::kShort).contiguous();
+  const int64_t T = q.size(0), K = q.size(1), N = check_rows(w, K, ggml_type, "kq_superblock_sums");
+  TORCH_CHECK(bsums.numel() == T * K / 16, "kq_superblock_sums: bsums must be [T, K/16]");
+  const Isa path = parse_isa(isa);
+  at::Tensor out = at::empty({T, N, K / QK_K, 2}, q.options().dtype(at::kInt));
+  const auto args = std::make_tuple(q.data_ptr<int8_t>(), bsums.data_ptr<int16_t>(), T, K, w.data_ptr<uint8_t>(), N,
+                                    out.data_ptr<int32_t>());
+  const bool avx2 = path == Isa::Avx2;
+  switch (ggml_type) {
+    case 12: std::apply(avx2 ? sums_impl<Q4K, Isa::Avx2> : sums_impl<Q4K, Isa::Scalar>, args); break;
+    case 13: std::apply(avx2 ? sums_impl<Q5K, Isa::Avx2> : sums_impl<Q5K, Isa::Scalar>, args); break;
+    case 14: std::apply(avx2 ? sums_impl<Q6K, Isa::Avx2> : sums_impl<Q6K, Isa::Scalar>, args); break;
+  }
+  return out;
+}
+
+at::Tensor kq_matmul(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type, const std::string& isa) {
+  TORCH_CHECK(x.dim() == 2, "kq_matmul: x must be [T, K], got ", x.sizes());
+  const int64_t N = check_rows(w, x.size(1), ggml_type, "kq_matmul");
+  const Isa path = parse_isa(isa);
+  const Q8K xq = quantize(x);
+  at::Tensor y = at::empty({x.size(0), N}, x.options().dtype(at::kFloat));
+  const auto args = std::make_tuple(std::cref(xq), w.data_ptr<uint8_t>(), N, y.data_ptr<float>());
+  const bool avx2 = path == Isa::Avx2;
+  switch (ggml_type) {
+    case 12: std::apply(avx2 ? matmul_impl<Q4K, Isa::Avx2> : matmul_impl<Q4K, Isa::Scalar>, args); break;
+    case 13: std::apply(avx2 ? matmul_impl<Q5K, Isa::Avx2> : matmul_impl<Q5K, Isa::Scalar>, args); break;
+    case 14: std::apply(avx2 ? matmul_impl<Q6K, Isa::Avx2> : matmul_impl<Q6K, Isa::Scalar>, args); break;
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(hybridkv, m) {
+  m.def("kq_isas() -> str[]", kq_isas);  // no tensor to dispatch on: one kernel for every backend
+  m.def("quantize_rows_q8_k(Tensor x) -> (Tensor, Tensor, Tensor)");
+  m.def("kq_superblock_sums(Tensor q, Tensor bsums, Tensor w, int ggml_type, str isa) -> Tensor");
+  m.def("kq_matmul(Tensor x, Tensor w, int ggml_type, str isa) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(hybridkv, CPU, m) {
+  m.impl("quantize_rows_q8_k", quantize_rows_q8_k);
+  m.impl("kq_superblock_sums", kq_superblock_sums);
+  m.impl("kq_matmul", kq_matmul);
+}

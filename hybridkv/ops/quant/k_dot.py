@@ -1,0 +1,177 @@
+"""llama.cpp's decode scheme for the K-quants (Q4_K, Q5_K, Q6_K): integer dots on Q8_K activations.
+
+Each activation row is quantized once into Q8_K super-blocks of 256 (`quantize_rows_q8_k`): f32 d,
+i8 q[256] and the sums of each 16 q (bsums). A weight super-block (d, dmin, 6-bit per-sub-block
+scales sc_j and mins m_j, unsigned codes q) meets one as two exact integers,
+
+    S = Σ_j sc_j·(q·x)_j        M = Σ_j m_j·bsum_j        (x: the activation's int8 q)
+
+and the float result is Σ over super-blocks of (d_w·d_x)·S − (dmin_w·d_x)·M: no per-weight float
+work. Q6_K has no min: its codes are q − 32, which llama.cpp writes as the unsigned q with
+m_j = 32·sc_j in units of d, so its super-block counts (d_w·d_x)·(S − M). This is the readable twin
+that the C++ kernel (`csrc/kquant.cpp`) matches: the same activation blocks bit for bit, the same
+integers S and M exactly, the float result up to summation order.
+
+Shapes: x [T, K] float32 (K a multiple of 256, nb = K/256); W rows uint8 [N, nb·block_bytes].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from hybridkv.ops import native
+from hybridkv.ops.quant import blocks
+
+QK_K = 256
+ISAS = ("avx2", "scalar")  # the C++ kernel's code paths, fastest first
+
+
+class KType(NamedTuple):
+    """One K-quant as the integer dot sees it: its ggml id, bytes per super-block, sub-blocks."""
+
+    ggml_id: int
+    block_bytes: int
+    n_sub: int  # sub-blocks per super-block, each of 256/n_sub weights
+
+
+K_TYPES = {12: KType(12, 144, 8), 13: KType(13, 176, 8), 14: KType(14, 210, 16)}  # Q4_K, Q5_K, Q6_K
+
+
+class Q8KRows(NamedTuple):
+    """Activation rows in Q8_K blocks: q int8 [T, K], d float32 [T, nb], bsums int16 [T, K/16];
+    x ≈ d·q per super-block."""
+
+    q: torch.Tensor
+    d: torch.Tensor
+    bsums: torch.Tensor
+
+
+class KRows(NamedTuple):
+    """K-quant weight rows unpacked: q uint8 [N, nb, n_sub, 256/n_sub] (unsigned codes), scales and
+    mins int32 [N, nb, n_sub], d float32 [N, nb], dmin float32 [N, nb] or None (Q6_K: mins are
+    32·sc in units of d)."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor
+    d: torch.Tensor
+    dmin: torch.Tensor | None
+
+
+def quantize_rows_q8_k(x: torch.Tensor) -> Q8KRows:
+    """x [T, K] → Q8_K super-blocks as llama.cpp's `quantize_row_q8_K_ref`: max = the first element
+    of largest |x|, iscale = −127/max, q = min(127, round(iscale·x)) ties to even, d = 1/iscale
+    (so the largest element becomes −127 and d takes the opposite sign of max); all zero where
+    max = 0."""
+    T, K = x.shape
+    sb = x.float().reshape(T, K // QK_K, QK_K)
+    at = sb.abs().argmax(-1, keepdim=True)  # the first maximum, as the reference's strict `>`
+    peak = sb.gather(-1, at)
+    # Tensor / tensor: a scalar numerator would run as reciprocal-then-multiply, rounding twice.
+    iscale = torch.where(peak == 0, 0.0, torch.full_like(peak, -127.0) / peak)
+    q = torch.round(sb * iscale).clamp_(max=127).to(torch.int8)
+    d = torch.where(iscale == 0, 0.0, torch.ones_like(iscale) / iscale).squeeze(-1)
+    bsums = q.view(T, -1, 16).sum(-1, dtype=torch.int16)
+    return Q8KRows(q.view(T, K), d, bsums)
+
+
+def split_k(rows: torch.Tensor, ggml_id: int) -> KRows:
+    """Q4_K / Q5_K / Q6_K rows uint8 [N, nb·block_bytes] → their codes, scales, mins and d's."""
+    kt = K_TYPES[ggml_id]
+    N = rows.shape[0]
+    b = rows.reshape(-1, kt.block_bytes)
+    nb = b.shape[0] // max(N, 1)
+
+    def f16(at: int) -> torch.Tensor:
+        return b[:, at : at + 2].contiguous().view(torch.float16).float().view(N, nb)
+
+    if ggml_id == 14:
+        q = blocks.q6_k_codes(b)
+        scales = b[:, 192:208].contiguous().view(torch.int8).int()
+        return KRows(q.view(N, nb, 16, 16), scales.view(N, nb, 16), 32 * scales.view(N, nb, 16), f16(208), None)
+    q = blocks.q4_k_codes(b) if ggml_id == 12 else blocks.q5_k_codes(b)
+    sc, mn = blocks.k_scales(b[:, 4:16])
+    return KRows(q.view(N, nb, 8, 32), sc.int().view(N, nb, 8), mn.int().view(N, nb, 8), f16(0), f16(2))
+
+
+def sub_block_sums(x: Q8KRows, w: KRows) -> torch.Tensor:
+    """(q·x)_j: each weight sub-block's codes dotted with its activations → int32 [T, N, nb, n_sub],
+    exactly: every partial sum is an integer below 32·63·128 < 2^24, which float32 holds."""
+    T = x.q.shape[0]
+    N, nb, n_sub, sub = w.q.shape
+    xq = x.q.float().view(T, nb * n_sub, sub).transpose(0, 1)  # [nb·n_sub, T, sub]
+    wq = w.q.float().view(N, nb * n_sub, sub).permute(1, 2, 0)  # [nb·n_sub, sub, N]
+    return torch.bmm(xq, wq).view(nb, n_sub, T, N).permute(2, 3, 0, 1).to(torch.int32)
+
+
+def superblock_sums(x: Q8KRows, w: KRows) -> torch.Tensor:
+    """The two integers of each super-block pair, (S, M) → int32 [T, N, nb, 2]: S = Σ_j sc_j·(q·x)_j,
+    M = Σ_j m_j·(the sum of sub-block j's activations, from bsums)."""
+    T = x.q.shape[0]
+    N, nb, n_sub, _ = w.q.shape
+    x_sums = x.bsums.view(T, nb, n_sub, -1).sum(-1, dtype=torch.int32)  # Q4_K/Q5_K: pairs of 16
+    S = (sub_block_sums(x, w) * w.scales).sum(-1, dtype=torch.int32)
+    M = (x_sums[:, None] * w.mins).sum(-1, dtype=torch.int32)
+    return torch.stack([S, M], dim=-1)
+
+
+def k_matmul_twin(x: torch.Tensor, rows: torch.Tensor, ggml_id: int) -> torch.Tensor:
+    """x [T, K] @ W.T → [T, N] float32 for K-quant rows: Σ over super-blocks of (d_w·d_x)·S −
+    (dmin_w·d_x)·M (Q6_K: (d_w·d_x)·(S − M)), in chunks of N so the integer sums stay small."""
+    xq = quantize_rows_q8_k(x)
+    T, N = x.shape[0], rows.shape[0]
+    step = max(1, (1 << 20) // max(1, T * xq.d.shape[1] * K_TYPES[ggml_id].n_sub))
+    out = []
+    for n in range(0, N, step):
+        w = split_k(rows[n : n + step], ggml_id)
+        S, M = superblock_sums(xq, w).unbind(-1)
+        dd = w.d[None] * xq.d[:, None]  # [T, n, nb], one float32 product per super-block pair
+        if w.dmin is None:
+            out.append((dd * (S - M).float()).sum(-1))
+        else:
+            out.append((dd * S.float() - (w.dmin[None] * xq.d[:, None]) * M.float()).sum(-1))
+    return torch.cat(out, dim=1) if out else torch.zeros(T, 0)
+
+
+def _ops() -> Any:
+    ops = native.kernels()
+    assert ops is not None, "check native.enabled() first"
+    return ops
+
+
+def available_isas() -> tuple[str, ...]:
+    """The C++ kernel's code paths this machine runs ('avx2' needs AVX2; 'scalar' always), fastest
+    first; () without the kernels."""
+    ops = native.kernels()
+    return tuple(ops.kq_isas()) if ops is not None else ()
+
+
+def native_quantize_rows_q8_k(x: torch.Tensor) -> Q8KRows:
+    """`quantize_rows_q8_k` by the C++ kernel (bit-identical)."""
+    return Q8KRows(*_ops().quantize_rows_q8_k(x))
+
+
+def native_superblock_sums(x: Q8KRows, rows: torch.Tensor, ggml_id: int, isa: str = "auto") -> torch.Tensor:
+    """`superblock_sums(x, split_k(rows, ggml_id))` by the C++ kernel's integer dot (the one
+    `native_k_matmul` runs), on code path `isa` ('auto': the fastest here)."""
+    return _ops().kq_superblock_sums(x.q, x.bsums, rows, ggml_id, isa)
+
+
+def native_k_matmul(x: torch.Tensor, rows: torch.Tensor, ggml_id: int, isa: str = "auto") -> torch.Tensor:
+    """`k_matmul_twin` by the C++ kernel: each row of x quantized once, the weight streamed once."""
+    return _ops().kq_matmul(x, rows, ggml_id, isa)
+
+
+def k_matmul(ggml_id: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The traits table's few-row product for a K-quant: x [T, K] float32 @ W.T → [T, N] float32 by
+    the C++ kernel, else its twin (the same numbers up to summation order)."""
+
+    def matmul(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        if native.enabled(x, rows):
+            return native_k_matmul(x, rows, ggml_id)
+        return k_matmul_twin(x, rows, ggml_id)
+
+    return matmul

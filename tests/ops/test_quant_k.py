@@ -1,0 +1,222 @@
+"""K-quant integer matmuls (Q4_K, Q5_K, Q6_K on Q8_K activations) against a NumPy emulation of
+llama.cpp's arithmetic, written from its C (`quantize_row_q8_K_ref`, `ggml_vec_dot_q*_K_q8_K`):
+activation blocks and integer sums exactly, floats to rounding; and against gguf-py's dequantized
+weights in float64."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from op_checks import assert_close
+from test_quant import gguf_dequantize, random_rows
+
+from hybridkv.ops import native
+from hybridkv.ops.quant import GGMLType, QuantizedWeight, block_type, int8_dot, k_dot
+
+K_QUANTS = [GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
+SHAPES = [(1, 256, 1), (1, 4096, 37), (3, 768, 5), (7, 512, 17), (32, 256, 9)]  # (T, K, N)
+
+
+# --- the emulation -----------------------------------------------------------------------------
+
+
+def emulate_q8_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`quantize_row_q8_K_ref` in NumPy float32: the first element of largest |x| is `max`,
+    iscale = -127/max, q = min(127, nearest_int(iscale*x)) with nearest_int's 1.5·2^23 trick,
+    bsums = sums of 16, d = 1/iscale; a zero block stays zero."""
+    T, K = x.shape
+    sb = x.astype(np.float32).reshape(T, K // 256, 256)
+    q = np.zeros(sb.shape, np.int8)
+    d = np.zeros(sb.shape[:2], np.float32)
+    for t, b in np.ndindex(*sb.shape[:2]):
+        v = sb[t, b]
+        peak = v[np.argmax(np.abs(v))]  # argmax: the first maximum, as the C loop's strict `>`
+        if peak == 0:
+            continue
+        iscale = np.float32(-127) / peak
+        biased = ((iscale * v).astype(np.float32) + np.float32(12582912)).astype(np.float32)
+        q[t, b] = np.minimum(127, (biased.view(np.int32) & 0x007FFFFF) - 0x00400000)
+        d[t, b] = np.float32(1) / iscale
+    bsums = q.reshape(T, -1, 16).astype(np.int32).sum(-1).astype(np.int16)
+    return q.reshape(T, K), d, bsums
+
+
+def k4_scales_mins(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K scale bytes [..., 12] → scales, mins [..., 8] by the C code's kmask word shuffle."""
+    u = scales.copy().view("<u4")  # [..., 3]
+    k1, k2, k3 = np.uint32(0x3F3F3F3F), np.uint32(0x0F0F0F0F), np.uint32(0x03030303)
+    u3 = ((u[..., 2] >> 4) & k2) | (((u[..., 1] >> 6) & k3) << 4)
+    u1 = (u[..., 2] & k2) | (((u[..., 0] >> 6) & k3) << 4)
+    words = np.stack([u[..., 0] & k1, u1, u[..., 1] & k1, u3], axis=-1).astype("<u4")
+    b = words.view(np.uint8).astype(np.int64)
+    return b[..., :8], b[..., 8:]
+
+
+def emulate_codes(rows: np.ndarray, t: GGMLType) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Weight rows → (unsigned codes [N, nb, n_sub, sub], scales, mins [N, nb, n_sub] in units of
+    the activation bsums of each sub-block, d, dmin float32 [N, nb]), as the C code unpacks them."""
+    N = rows.shape[0]
+    b = rows.reshape(N, -1, block_type(t).block_bytes)
+    if t == GGMLType.Q6_K:
+        ql, qh = b[..., :128].reshape(N, -1, 2, 64), b[..., 128:192].reshape(N, -1, 2, 32)
+        parts = [
+            (ql[..., :32] & 15) | ((qh & 3) << 4),
+            (ql[..., 32:] & 15) | (((qh >> 2) & 3) << 4),
+            (ql[..., :32] >> 4) | (((qh >> 4) & 3) << 4),
+            (ql[..., 32:] >> 4) | (((qh >> 6) & 3) << 4),
+        ]
+        codes = np.concatenate(parts, axis=-1).reshape(N, -1, 16, 16)  # weights l, l+32, l+64, l+96
+        sc = b[..., 192:208].copy().view(np.int8).astype(np.int64)
+        d = b[..., 208:210].copy().view(np.float16).astype(np.float32)[..., 0]
+        return codes.astype(np.int64), sc, 32 * sc, d, d
+    qs = b[..., -128:].reshape(N, -1, 4, 32)
+    codes = np.stack([qs & 15, qs >> 4], axis=3).reshape(N, -1, 8, 32).astype(np.int64)
+    if t == GGMLType.Q5_K:
+        qh = b[..., 16:48]
+        codes += 16 * ((qh[..., None, :] >> np.arange(8)[:, None]) & 1)
+    sc, mn = k4_scales_mins(b[..., 4:16])
+    d, dmin = (b[..., at : at + 2].copy().view(np.float16).astype(np.float32)[..., 0] for at in (0, 2))
+    return codes, sc, mn, d, dmin
+
+
+def emulate(x: np.ndarray, rows: np.ndarray, t: GGMLType) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(sub-block sums [T, N, nb, n_sub], (S, M) [T, N, nb, 2] in int64, x @ W.T [T, N] float64):
+    S = Σ sc_j·(codes·q)_j, M = Σ m_j·bsum_j, and Σ_b f32(d_w·d_x)·S − f32(dmin_w·d_x)·M (Q6_K:
+    f32(d_w·d_x)·(S − M)), the float products rounded as llama.cpp rounds them."""
+    q, dx, bsums = emulate_q8_k(x)
+    codes, sc, mn, d, dmin = emulate_codes(rows, t)
+    T, (_, nb, n_sub, sub) = x.shape[0], codes.shape
+    sub_sums = np.einsum("nbjl,tbjl->tnbj", codes, q.reshape(T, nb, n_sub, sub).astype(np.int64))
+    x_sums = bsums.reshape(T, nb, n_sub, -1).astype(np.int64).sum(-1)
+    S = (sub_sums * sc).sum(-1)
+    M = np.einsum("tbj,nbj->tnb", x_sums, mn)
+    dd = (d[None] * dx[:, None]).astype(np.float64)
+    if t == GGMLType.Q6_K:
+        y = (dd * (S - M)).sum(-1)
+    else:
+        y = (dd * S - (dmin[None] * dx[:, None]).astype(np.float64) * M).sum(-1)
+    return sub_sums, np.stack([S, M], axis=-1), y
+
+
+def activations(T: int, K: int, seed: int) -> torch.Tensor:
+    """Random rows with mixed scales and the cases that matter: a zero super-block; one whose
+    largest |x| is negative and ties with a later +127 (the first wins: iscale = 1), with exact
+    rounding ties."""
+    x = torch.randn(T, K, generator=torch.Generator().manual_seed(seed)) * torch.logspace(-3, 1, K)
+    if K >= 512:
+        x[0, :256] = 0
+        x[0, 256:264] = torch.tensor([-127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 127.0])
+        x[0, 264:512] = torch.empty(248).uniform_(-126, 126, generator=torch.Generator().manual_seed(seed))
+    return x
+
+
+def weight_rows(t: GGMLType, N: int, K: int, seed: int) -> np.ndarray:
+    return random_rows(block_type(t), (N,), K, seed)
+
+
+# --- Q8_K activations --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("T", "K"), [(1, 256), (3, 512), (7, 1024)])
+def test_q8_k_blocks_match_the_emulation(T: int, K: int) -> None:
+    x = activations(T, K, seed=K)
+    want = emulate_q8_k(x.numpy())
+    got = [k_dot.quantize_rows_q8_k(x)]
+    if native.kernels() is not None:
+        got.append(k_dot.native_quantize_rows_q8_k(x))
+    for blocks in got:
+        assert [a.dtype for a in blocks] == [torch.int8, torch.float32, torch.int16]
+        for a, b in zip(blocks, want, strict=True):
+            assert np.array_equal(a.numpy(), b)
+        if K >= 512:
+            assert blocks.q[0, 256:264].tolist() == [-127, 0, 2, 2, 0, -2, -2, 127]  # ties to even
+            assert blocks.d[0].tolist()[:2] == [0.0, 1.0]
+        # The sign trick: the largest |x| always becomes -127 (d takes the sign that undoes it).
+        assert ((blocks.q.view(T, -1, 256).amin(-1) == -127) | (blocks.d == 0)).all()
+
+
+# --- integer sums and float results ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("t", K_QUANTS, ids=lambda t: t.name)
+@pytest.mark.parametrize(("T", "K", "N"), SHAPES)
+def test_integer_sums_equal_the_emulation_exactly(t: GGMLType, T: int, K: int, N: int) -> None:
+    x = activations(T, K, seed=N)
+    rows = weight_rows(t, N, K, seed=T)
+    want_sub, want_sums, _ = emulate(x.numpy(), rows, t)
+    xq, w = k_dot.quantize_rows_q8_k(x), torch.from_numpy(rows)
+    assert np.array_equal(k_dot.sub_block_sums(xq, k_dot.split_k(w, t)).numpy(), want_sub)
+    assert np.array_equal(k_dot.superblock_sums(xq, k_dot.split_k(w, t)).numpy(), want_sums)
+    for isa in k_dot.available_isas():
+        assert np.array_equal(k_dot.native_superblock_sums(xq, w, t, isa).numpy(), want_sums), isa
+
+
+def test_q6_k_sums_are_llama_cpp_generic_signed_ones() -> None:
+    # The generic C code subtracts 32 from each code; the AVX2 one subtracts 32·Σ sc·bsum: the same S − M.
+    x = activations(3, 512, seed=0)
+    rows = weight_rows(GGMLType.Q6_K, 5, 512, seed=0)
+    sub, sums, _ = emulate(x.numpy(), rows, GGMLType.Q6_K)
+    q, _, _ = emulate_q8_k(x.numpy())
+    codes, sc, _, _, _ = emulate_codes(rows, GGMLType.Q6_K)
+    signed = np.einsum("nbjl,tbjl->tnbj", codes - 32, q.reshape(3, 2, 16, 16).astype(np.int64))
+    assert np.array_equal((signed * sc).sum(-1), sums[..., 0] - sums[..., 1])
+
+
+@pytest.mark.parametrize("t", K_QUANTS, ids=lambda t: t.name)
+@pytest.mark.parametrize(("T", "K", "N"), SHAPES)
+def test_matmul_within_rounding_of_the_emulation(t: GGMLType, T: int, K: int, N: int) -> None:
+    x = activations(T, K, seed=N)
+    rows = weight_rows(t, N, K, seed=T)
+    want = torch.from_numpy(emulate(x.numpy(), rows, t)[2])
+    w = torch.from_numpy(rows)
+    assert_close(k_dot.k_matmul_twin(x, w, t), want, rel=1e-6)
+    for isa in k_dot.available_isas():
+        assert_close(k_dot.native_k_matmul(x, w, t, isa), want, rel=1e-6)
+
+
+@pytest.mark.parametrize("t", K_QUANTS, ids=lambda t: t.name)
+@pytest.mark.parametrize(("T", "K", "N"), SHAPES)
+def test_matmul_is_float64_on_gguf_weights_and_q8_k_activations(t: GGMLType, T: int, K: int, N: int) -> None:
+    x = activations(T, K, seed=N)
+    rows = weight_rows(t, N, K, seed=T)
+    xq = k_dot.quantize_rows_q8_k(x)
+    x_blocks = (xq.q.double().view(T, -1, 256) * xq.d.double()[..., None]).view(T, K)
+    w = torch.from_numpy(gguf_dequantize(rows, block_type(t))).double()
+    got = k_dot.k_matmul_twin(x, torch.from_numpy(rows), t)
+    assert_close(got, x_blocks @ w.T, rel=1e-6 * K**0.5)
+    # Against float activations: off by the activations' rounding (up to 1/254 of a block's max, each).
+    x = torch.randn(T, K, generator=torch.Generator().manual_seed(K))
+    assert_close(k_dot.k_matmul_twin(x, torch.from_numpy(rows), t), x.double() @ w.T, rel=3e-2)
+
+
+# --- the traits table and the weight -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("t", K_QUANTS, ids=lambda t: t.name)
+@pytest.mark.parametrize("use_native", [True, False], ids=["native", "pytorch"])
+def test_k_quant_weight_matmul_takes_the_integer_path_for_few_rows(
+    t: GGMLType, use_native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if use_native and native.kernels() is None:
+        pytest.skip("C++ kernels could not be built here")
+    monkeypatch.setattr(native, "disabled", not use_native)
+    assert block_type(t).vec_dot_type == GGMLType.Q8_K
+    rows = torch.from_numpy(weight_rows(t, 9, 512, seed=0))
+    w = QuantizedWeight.of(rows, t)
+    few, many = activations(3, 512, seed=1), activations(int8_dot.FEW_ROWS + 1, 512, seed=2)
+    assert_close(w.matmul(few), torch.from_numpy(emulate(few.numpy(), rows.numpy(), t)[2]), rel=1e-6)
+    assert torch.equal(w.matmul(many), w.reference_matmul(many))
+
+
+@pytest.mark.skipif(native.kernels() is None, reason="C++ kernels could not be built here")
+def test_native_k_quant_names_what_does_not_match() -> None:
+    x, rows = torch.randn(2, 256), torch.zeros(3, 144, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="activations of 512 features need rows of 288 bytes"):
+        k_dot.native_k_matmul(torch.randn(2, 512), rows, GGMLType.Q4_K)
+    with pytest.raises(RuntimeError, match=r"ggml types 12 \(Q4_K\), 13 \(Q5_K\), 14 \(Q6_K\), not 8"):
+        k_dot.native_k_matmul(x, rows, GGMLType.Q8_0)
+    with pytest.raises(RuntimeError, match="isa 'vnni' is not available"):
+        k_dot.native_k_matmul(x, rows, GGMLType.Q4_K, "vnni")
+    with pytest.raises(RuntimeError, match="K a multiple of 256"):
+        k_dot.native_quantize_rows_q8_k(torch.randn(2, 96))
