@@ -26,9 +26,13 @@
 #include <tuple>
 #include <vector>
 
+// The per-super-block functions run inside the row loops: a call would spill the vectors.
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+
 namespace {
 
 constexpr int QK_K = 256;
+constexpr int kPrefetch = 4096;  // bytes ahead of the super-block being read (1–2 rows)
 
 enum class Isa { Scalar, Avx2 };
 
@@ -111,7 +115,12 @@ struct Q4K {
   static constexpr int bytes = 144, d_at = 0, dmin_at = 2;
   static constexpr bool mins_in_d = false;
 
-  static Sums scalar(const uint8_t* w, const int8_t* a, const int16_t* bsums) {
+  // The activation sums the mins multiply: [0 x 8 | sub-block j's sum, a pair of bsums, x 8].
+  static void min_sums(const int16_t* bsums, int16_t* xs) {
+    for (int j = 0; j < 8; ++j) xs[j] = 0, xs[8 + j] = static_cast<int16_t>(bsums[2 * j] + bsums[2 * j + 1]);
+  }
+
+  ALWAYS_INLINE static Sums scalar(const uint8_t* w, const int8_t* a, const int16_t* xs) {
     uint32_t u[4];
     k4_scales_mins(w + 4, u);
     const auto* sc = reinterpret_cast<const uint8_t*>(u);
@@ -125,11 +134,11 @@ struct Q4K {
       }
       r.s += sc[2 * c] * lo + sc[2 * c + 1] * hi;
     }
-    for (int j = 0; j < 8; ++j) r.m += sc[8 + j] * (bsums[2 * j] + bsums[2 * j + 1]);
+    for (int j = 8; j < 16; ++j) r.m += sc[j] * xs[j];
     return r;
   }
 #ifdef __AVX2__
-  static void avx2(const uint8_t* w, const int8_t* a, const int16_t* bsums, __m256i& s, __m256i& m);
+  ALWAYS_INLINE static void avx2(const uint8_t* w, const int8_t* a, const int16_t* xs, __m256i& s, __m256i& m);
 #endif
 };
 
@@ -137,7 +146,9 @@ struct Q5K {
   static constexpr int bytes = 176, d_at = 0, dmin_at = 2;
   static constexpr bool mins_in_d = false;
 
-  static Sums scalar(const uint8_t* w, const int8_t* a, const int16_t* bsums) {
+  static void min_sums(const int16_t* bsums, int16_t* xs) { Q4K::min_sums(bsums, xs); }
+
+  ALWAYS_INLINE static Sums scalar(const uint8_t* w, const int8_t* a, const int16_t* xs) {
     uint32_t u[4];
     k4_scales_mins(w + 4, u);
     const auto* sc = reinterpret_cast<const uint8_t*>(u);
@@ -150,12 +161,12 @@ struct Q5K {
         dot += q * a[32 * j + l];
       }
       r.s += sc[j] * dot;
-      r.m += sc[8 + j] * (bsums[2 * j] + bsums[2 * j + 1]);
+      r.m += sc[8 + j] * xs[8 + j];
     }
     return r;
   }
 #ifdef __AVX2__
-  static void avx2(const uint8_t* w, const int8_t* a, const int16_t* bsums, __m256i& s, __m256i& m);
+  ALWAYS_INLINE static void avx2(const uint8_t* w, const int8_t* a, const int16_t* xs, __m256i& s, __m256i& m);
 #endif
 };
 
@@ -163,7 +174,9 @@ struct Q6K {
   static constexpr int bytes = 210, d_at = 208, dmin_at = -1;
   static constexpr bool mins_in_d = true;
 
-  static Sums scalar(const uint8_t* w, const int8_t* a, const int16_t* bsums) {
+  static void min_sums(const int16_t* bsums, int16_t* xs) { std::memcpy(xs, bsums, 16 * sizeof(int16_t)); }
+
+  ALWAYS_INLINE static Sums scalar(const uint8_t* w, const int8_t* a, const int16_t* xs) {
     const auto* sc = reinterpret_cast<const int8_t*>(w + 192);
     int32_t dot[16] = {};
     for (int h = 0; h < 2; ++h) {  // per half: ql[64], qh[32] give weights l, l+32, l+64, l+96
@@ -178,11 +191,11 @@ struct Q6K {
       }
     }
     Sums r{0, 0};
-    for (int j = 0; j < 16; ++j) r.s += sc[j] * dot[j], r.m += 32 * sc[j] * bsums[j];
+    for (int j = 0; j < 16; ++j) r.s += sc[j] * dot[j], r.m += 32 * sc[j] * xs[j];
     return r;
   }
 #ifdef __AVX2__
-  static void avx2(const uint8_t* w, const int8_t* a, const int16_t* bsums, __m256i& s, __m256i& m);
+  ALWAYS_INLINE static void avx2(const uint8_t* w, const int8_t* a, const int16_t* xs, __m256i& s, __m256i& m);
 #endif
 };
 
@@ -194,33 +207,36 @@ inline __m256i times_scale(__m256i codes, const int8_t* a, __m256i scale16) {
   return _mm256_madd_epi16(scale16, _mm256_maddubs_epi16(codes, load(a)));
 }
 
-// M of Q4_K/Q5_K: the 8 sub-block activation sums (pairs of bsums) times the 8 mins, in 4 lanes.
-inline __m256i k4_mins(const uint32_t u[4], const int16_t* bsums) {
-  const __m128i mins = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, u[3], u[2]));
-  const __m256i b = load(bsums);
-  const __m128i pairs = _mm_hadd_epi16(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
-  return _mm256_set_m128i(_mm_setzero_si128(), _mm_madd_epi16(mins, pairs));
-}
-
-void Q4K::avx2(const uint8_t* w, const int8_t* a, const int16_t* bsums, __m256i& s, __m256i& m) {
+// Q4_K/Q5_K's scales and mins as i16 [sc_0..7 | m_0..7]; their products with the mins' activation
+// sums [0 x 8 | sums] give M in lanes 4–7.
+inline __m256i k4_scales_mins16(const uint8_t* w) {
   uint32_t u[4];
   k4_scales_mins(w + 4, u);
-  const auto* sc = reinterpret_cast<const uint8_t*>(u);
+  return _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));
+}
+
+// Scale k of 8 (i16, in both 128-bit halves of `scales`) in every i16 lane.
+inline __m256i scale_of(__m256i scales, int k) {
+  return _mm256_shuffle_epi8(scales, _mm256_set1_epi16(static_cast<int16_t>(((2 * k + 1) << 8) | (2 * k))));
+}
+
+ALWAYS_INLINE void Q4K::avx2(const uint8_t* w, const int8_t* a, const int16_t* xs, __m256i& s, __m256i& m) {
+  const __m256i sm = k4_scales_mins16(w);
+  const __m256i scales = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sm));
   const __m256i m4 = _mm256_set1_epi8(15);
   s = _mm256_setzero_si256();
   for (int c = 0; c < 4; ++c) {
     const __m256i bits = load(w + 16 + 32 * c);
     const __m256i lo = _mm256_and_si256(bits, m4), hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
-    s = _mm256_add_epi32(s, times_scale(lo, a + 64 * c, _mm256_set1_epi16(sc[2 * c])));
-    s = _mm256_add_epi32(s, times_scale(hi, a + 64 * c + 32, _mm256_set1_epi16(sc[2 * c + 1])));
+    s = _mm256_add_epi32(s, times_scale(lo, a + 64 * c, scale_of(scales, 2 * c)));
+    s = _mm256_add_epi32(s, times_scale(hi, a + 64 * c + 32, scale_of(scales, 2 * c + 1)));
   }
-  m = k4_mins(u, bsums);
+  m = _mm256_madd_epi16(sm, load(xs));
 }
 
-void Q5K::avx2(const uint8_t* w, const int8_t* a, const int16_t* bsums, __m256i& s, __m256i& m) {
-  uint32_t u[4];
-  k4_scales_mins(w + 4, u);
-  const auto* sc = reinterpret_cast<const uint8_t*>(u);
+ALWAYS_INLINE void Q5K::avx2(const uint8_t* w, const int8_t* a, const int16_t* xs, __m256i& s, __m256i& m) {
+  const __m256i sm = k4_scales_mins16(w);
+  const __m256i scales = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sm));
   const __m256i m4 = _mm256_set1_epi8(15), bit4 = _mm256_set1_epi8(16);
   const __m256i qh = load(w + 16);
   s = _mm256_setzero_si256();
@@ -231,19 +247,20 @@ void Q5K::avx2(const uint8_t* w, const int8_t* a, const int16_t* bsums, __m256i&
     const __m256i h_hi = _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, 2 * c + 1), 4), bit4);
     const __m256i lo = _mm256_or_si256(_mm256_and_si256(bits, m4), h_lo);
     const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits, 4), m4), h_hi);
-    s = _mm256_add_epi32(s, times_scale(lo, a + 64 * c, _mm256_set1_epi16(sc[2 * c])));
-    s = _mm256_add_epi32(s, times_scale(hi, a + 64 * c + 32, _mm256_set1_epi16(sc[2 * c + 1])));
+    s = _mm256_add_epi32(s, times_scale(lo, a + 64 * c, scale_of(scales, 2 * c)));
+    s = _mm256_add_epi32(s, times_scale(hi, a + 64 * c + 32, scale_of(scales, 2 * c + 1)));
   }
-  m = k4_mins(u, bsums);
+  m = _mm256_madd_epi16(sm, load(xs));
 }
 
-// Two sub-blocks of 16 as one i16 scale vector: sc[j] in lanes 0–7, sc[j+1] in lanes 8–15.
-inline __m256i pair_scale(const int8_t* sc, int j) {
-  return _mm256_set_m128i(_mm_set1_epi16(sc[j + 1]), _mm_set1_epi16(sc[j]));
+// Q6_K's int8 scales j and j+1 as i16: sc[j] in lanes 0–7, sc[j+1] in lanes 8–15.
+inline __m256i pair_scale(__m128i sc, int j) {
+  constexpr int64_t ones = 0x0101010101010101LL;
+  return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, _mm_set_epi64x(ones * (j + 1), ones * j)));
 }
 
-void Q6K::avx2(const uint8_t* w, const int8_t* a, const int16_t* bsums, __m256i& s, __m256i& m) {
-  const auto* sc = reinterpret_cast<const int8_t*>(w + 192);
+ALWAYS_INLINE void Q6K::avx2(const uint8_t* w, const int8_t* a, const int16_t* xs, __m256i& s, __m256i& m) {
+  const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192));
   const __m256i m15 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
   s = _mm256_setzero_si256();
   for (int h = 0; h < 2; ++h) {
@@ -264,10 +281,7 @@ void Q6K::avx2(const uint8_t* w, const int8_t* a, const int16_t* bsums, __m256i&
     s = _mm256_add_epi32(s, times_scale(q2, x + 64, pair_scale(sc, is + 4)));
     s = _mm256_add_epi32(s, times_scale(q3, x + 96, pair_scale(sc, is + 6)));
   }
-  // M = 32·Σ sc_j·bsum_j, in 8 lanes.
-  m = _mm256_slli_epi32(_mm256_madd_epi16(load(bsums), _mm256_cvtepi8_epi16(_mm_loadu_si128(
-                                                           reinterpret_cast<const __m128i*>(sc)))),
-                        5);
+  m = _mm256_slli_epi32(_mm256_madd_epi16(load(xs), _mm256_cvtepi8_epi16(sc)), 5);  // 32·Σ sc_j·bsum_j
 }
 
 inline int32_t hsum_i32(__m256i v) {
@@ -285,28 +299,39 @@ inline float hsum_f32(__m256 v) {
 }
 #endif
 
+// Each super-block's activation sums for the mins (`KT::min_sums`): 16 i16 per super-block.
+template <class KT>
+std::vector<int16_t> min_sums_of(const int16_t* bsums, int64_t superblocks) {
+  std::vector<int16_t> xs(superblocks * 16);
+  for (int64_t i = 0; i < superblocks; ++i) KT::min_sums(bsums + i * 16, xs.data() + i * 16);
+  return xs;
+}
+
 template <class KT, Isa I>
-inline Sums superblock(const uint8_t* w, const int8_t* a, const int16_t* bsums) {
+inline Sums superblock(const uint8_t* w, const int8_t* a, const int16_t* xs) {
 #ifdef __AVX2__
   if constexpr (I == Isa::Avx2) {
     __m256i s, m;
-    KT::avx2(w, a, bsums, s, m);
+    KT::avx2(w, a, xs, s, m);
     return {hsum_i32(s), hsum_i32(m)};
   }
 #endif
-  return KT::scalar(w, a, bsums);
+  return KT::scalar(w, a, xs);
 }
 
-// One weight row (nb super-blocks at w) · one activation row (q at a, d at dx, bsums).
+// One weight row (nb super-blocks at w) · one activation row (q at a, d at dx; xs: its mins' sums, `min_sums`).
 template <class KT, Isa I>
-float row_dot(const uint8_t* w, const int8_t* a, const float* dx, const int16_t* bsums, int64_t nb) {
+float row_dot(const uint8_t* w, const int8_t* a, const float* dx, const int16_t* xs, int64_t nb) {
 #ifdef __AVX2__
   if constexpr (I == Isa::Avx2) {
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* wb = w + b * KT::bytes;
+      // One stream of weights keeps too few cache misses in flight: fetch ahead, past the row's end.
+      for (int line = 0; line < KT::bytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetch + line), _MM_HINT_T0);
       __m256i s, m;
-      KT::avx2(wb, a + b * QK_K, bsums + b * 16, s, m);
+      KT::avx2(wb, a + b * QK_K, xs + b * 16, s, m);
       const float d = fp16(wb + KT::d_at) * dx[b];
       if constexpr (KT::mins_in_d) {
         acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_sub_epi32(s, m)), acc);
@@ -322,7 +347,7 @@ float row_dot(const uint8_t* w, const int8_t* a, const float* dx, const int16_t*
   float y = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* wb = w + b * KT::bytes;
-    const Sums r = KT::scalar(wb, a + b * QK_K, bsums + b * 16);
+    const Sums r = KT::scalar(wb, a + b * QK_K, xs + b * 16);
     const float d = fp16(wb + KT::d_at) * dx[b];
     if constexpr (KT::mins_in_d) {
       y += d * static_cast<float>(r.s - r.m);
@@ -382,11 +407,12 @@ int64_t check_rows(const at::Tensor& w, int64_t K, int64_t ggml_type, const char
 template <class KT, Isa I>
 void sums_impl(const int8_t* a, const int16_t* bs, int64_t T, int64_t K, const uint8_t* w, int64_t N, int32_t* out) {
   const int64_t nb = K / QK_K;
+  const std::vector<int16_t> xs = min_sums_of<KT>(bs, T * nb);
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t t = 0; t < T; ++t)
         for (int64_t b = 0; b < nb; ++b) {
-          const Sums r = superblock<KT, I>(w + (n * nb + b) * KT::bytes, a + t * K + b * QK_K, bs + t * K / 16 + b * 16);
+          const Sums r = superblock<KT, I>(w + (n * nb + b) * KT::bytes, a + t * K + b * QK_K, &xs[(t * nb + b) * 16]);
           int32_t* o = out + ((t * N + n) * nb + b) * 2;
           o[0] = r.s, o[1] = r.m;
         }
@@ -400,11 +426,11 @@ void matmul_impl(const Q8K& xq, const uint8_t* w, int64_t N, float* y) {
   const int64_t T = xq.q.size(0), K = xq.q.size(1), nb = K / QK_K;
   const int8_t* a = xq.q.data_ptr<int8_t>();
   const float* dx = xq.d.data_ptr<float>();
-  const int16_t* bs = xq.bsums.data_ptr<int16_t>();
+  const std::vector<int16_t> xs = min_sums_of<KT>(xq.bsums.data_ptr<int16_t>(), T * nb);
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t t = 0; t < T; ++t)
-        y[t * N + n] = row_dot<KT, I>(w + n * nb * KT::bytes, a + t * K, dx + t * nb, bs + t * K / 16, nb);
+        y[t * N + n] = row_dot<KT, I>(w + n * nb * KT::bytes, a + t * K, dx + t * nb, &xs[t * nb * 16], nb);
   });
 }
 
