@@ -284,6 +284,75 @@ ALWAYS_INLINE void Q6K::avx2(const uint8_t* w, const int8_t* a, const int16_t* x
   m = _mm256_slli_epi32(_mm256_madd_epi16(load(xs), _mm256_cvtepi8_epi16(sc)), 5);  // 32·Σ sc_j·bsum_j
 }
 
+// Several activation rows (T >= 2): each weight super-block is unpacked once into the same form
+// for every type, then each row costs 8 x (maddubs + madd): codes in activation order, the i16
+// scale of each 32 codes' 16 pairs, and the mins as i16 against the mins' activation sums (the
+// same integers as the types' own `avx2`).
+struct alignas(32) Unpacked {
+  uint8_t codes[QK_K];
+  int16_t scales[8][16];
+  int16_t mins[16];
+};
+
+inline void store(void* p, __m256i v) { _mm256_storeu_si256(static_cast<__m256i*>(p), v); }
+
+ALWAYS_INLINE void unpack(Q4K, const uint8_t* w, Unpacked& u) {
+  const __m256i sm = k4_scales_mins16(w);
+  const __m256i scales = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sm));
+  const __m256i m4 = _mm256_set1_epi8(15);
+  for (int c = 0; c < 4; ++c) {
+    const __m256i bits = load(w + 16 + 32 * c);
+    store(u.codes + 64 * c, _mm256_and_si256(bits, m4));
+    store(u.codes + 64 * c + 32, _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4));
+  }
+  for (int k = 0; k < 8; ++k) store(u.scales[k], scale_of(scales, k));
+  store(u.mins, sm);
+}
+
+ALWAYS_INLINE void unpack(Q5K, const uint8_t* w, Unpacked& u) {
+  const __m256i sm = k4_scales_mins16(w);
+  const __m256i scales = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sm));
+  const __m256i m4 = _mm256_set1_epi8(15), bit4 = _mm256_set1_epi8(16);
+  const __m256i qh = load(w + 16);
+  for (int c = 0; c < 4; ++c) {
+    const __m256i bits = load(w + 48 + 32 * c);
+    const __m256i h_lo = _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, 2 * c), 4), bit4);
+    const __m256i h_hi = _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, 2 * c + 1), 4), bit4);
+    store(u.codes + 64 * c, _mm256_or_si256(_mm256_and_si256(bits, m4), h_lo));
+    store(u.codes + 64 * c + 32, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits, 4), m4), h_hi));
+  }
+  for (int k = 0; k < 8; ++k) store(u.scales[k], scale_of(scales, k));
+  store(u.mins, sm);
+}
+
+ALWAYS_INLINE void unpack(Q6K, const uint8_t* w, Unpacked& u) {
+  const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192));
+  const __m256i m15 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i ql0 = load(w + 64 * h), ql1 = load(w + 64 * h + 32), qh = load(w + 128 + 32 * h);
+    uint8_t* q = u.codes + 128 * h;
+    store(q, _mm256_or_si256(_mm256_and_si256(ql0, m15), _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4)));
+    store(q + 32, _mm256_or_si256(_mm256_and_si256(ql1, m15),
+                                  _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4)));
+    store(q + 64, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m15),
+                                  _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m3), 4)));
+    store(q + 96, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m15),
+                                  _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4)));
+    for (int i = 0; i < 4; ++i) store(u.scales[4 * h + i], pair_scale(sc, 8 * h + 2 * i));
+  }
+  store(u.mins, _mm256_slli_epi16(_mm256_cvtepi8_epi16(sc), 5));  // 32·sc_j: |.| <= 4096 fits i16
+}
+
+// S (8 lanes) of an unpacked weight super-block with one activation super-block.
+ALWAYS_INLINE __m256i unpacked_dot(const Unpacked& u, const int8_t* a) {
+  __m256i s = _mm256_setzero_si256();
+  for (int k = 0; k < 8; ++k) {
+    const __m256i pairs = _mm256_maddubs_epi16(load(u.codes + 32 * k), load(a + 32 * k));
+    s = _mm256_add_epi32(s, _mm256_madd_epi16(load(u.scales[k]), pairs));
+  }
+  return s;
+}
+
 inline int32_t hsum_i32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
@@ -410,23 +479,73 @@ void sums_impl(const int8_t* a, const int16_t* bs, int64_t T, int64_t K, const u
   const std::vector<int16_t> xs = min_sums_of<KT>(bs, T * nb);
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n)
-      for (int64_t t = 0; t < T; ++t)
-        for (int64_t b = 0; b < nb; ++b) {
-          const Sums r = superblock<KT, I>(w + (n * nb + b) * KT::bytes, a + t * K + b * QK_K, &xs[(t * nb + b) * 16]);
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* wb = w + (n * nb + b) * KT::bytes;
+#ifdef __AVX2__
+        if constexpr (I == Isa::Avx2) {
+          if (T >= 2) {  // as matmul_impl
+            Unpacked u;
+            unpack(KT{}, wb, u);
+            for (int64_t t = 0; t < T; ++t) {
+              int32_t* o = out + ((t * N + n) * nb + b) * 2;
+              o[0] = hsum_i32(unpacked_dot(u, a + t * K + b * QK_K));
+              o[1] = hsum_i32(_mm256_madd_epi16(load(u.mins), load(&xs[(t * nb + b) * 16])));
+            }
+            continue;
+          }
+        }
+#endif
+        for (int64_t t = 0; t < T; ++t) {
+          const Sums r = superblock<KT, I>(wb, a + t * K + b * QK_K, &xs[(t * nb + b) * 16]);
           int32_t* o = out + ((t * N + n) * nb + b) * 2;
           o[0] = r.s, o[1] = r.m;
         }
+      }
   });
 }
 
 // y [T, N] = x @ W.T: threads split W's rows; each weight row is read once from memory and dotted
-// with every activation row while it sits in L1.
+// with every activation row while it sits in L1 (T >= 2: each super-block unpacked once for all).
 template <class KT, Isa I>
 void matmul_impl(const Q8K& xq, const uint8_t* w, int64_t N, float* y) {
   const int64_t T = xq.q.size(0), K = xq.q.size(1), nb = K / QK_K;
   const int8_t* a = xq.q.data_ptr<int8_t>();
   const float* dx = xq.d.data_ptr<float>();
   const std::vector<int16_t> xs = min_sums_of<KT>(xq.bsums.data_ptr<int16_t>(), T * nb);
+#ifdef __AVX2__
+  if constexpr (I == Isa::Avx2) {
+    if (T >= 2) {
+      at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+        std::vector<__m256> acc(T);
+        Unpacked u;
+        for (int64_t n = n0; n < n1; ++n) {
+          std::fill(acc.begin(), acc.end(), _mm256_setzero_ps());
+          for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t* wb = w + (n * nb + b) * KT::bytes;
+            for (int line = 0; line < KT::bytes; line += 64)
+              _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetch + line), _MM_HINT_T0);
+            unpack(KT{}, wb, u);
+            const float dw = fp16(wb + KT::d_at), dminw = KT::mins_in_d ? 0.f : fp16(wb + KT::dmin_at);
+            for (int64_t t = 0; t < T; ++t) {
+              const __m256i s = unpacked_dot(u, a + t * K + b * QK_K);
+              const __m256i m = _mm256_madd_epi16(load(u.mins), load(&xs[(t * nb + b) * 16]));
+              const float d = dw * dx[t * nb + b];
+              if constexpr (KT::mins_in_d) {
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_sub_epi32(s, m)), acc[t]);
+              } else {
+                const float dmin = -(dminw * dx[t * nb + b]);
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(s), acc[t]);
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(m), acc[t]);
+              }
+            }
+          }
+          for (int64_t t = 0; t < T; ++t) y[t * N + n] = hsum_f32(acc[t]);
+        }
+      });
+      return;
+    }
+  }
+#endif
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t t = 0; t < T; ++t)
