@@ -208,11 +208,19 @@ inline __m256i times_scale(__m256i codes, const int8_t* a, __m256i scale16) {
 }
 
 // Q4_K/Q5_K's scales and mins as i16 [sc_0..7 | m_0..7]; their products with the mins' activation
-// sums [0 x 8 | sums] give M in lanes 4–7.
+// sums [0 x 8 | sums] give M in lanes 4–7. `k4_scales_mins` in byte shuffles: the low bits of
+// sc_0..3 | sc_4..7 | m_0..3 | m_4..7 come from bytes 0–3 | 8–11 (low nibbles) | 4–7 | 8–11 (high
+// nibbles); the top 2 bits of sc_4..7 and m_4..7 from the spare bits 6–7 of bytes 0–3 and 4–7.
 inline __m256i k4_scales_mins16(const uint8_t* w) {
-  uint32_t u[4];
-  k4_scales_mins(w + 4, u);
-  return _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 4));  // 12 scale bytes, 4 of qs
+  const __m128i lo = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+  const __m128i top = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+  const __m128i low_bits = _mm_or_si128(
+      _mm_and_si128(lo, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0)),
+      _mm_and_si128(_mm_srli_epi16(lo, 4), _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15)));
+  // A 16-bit shift: bits leaking in from the neighbouring byte land outside the masks.
+  const __m128i top_bits = _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30));
+  return _mm256_cvtepu8_epi16(_mm_or_si128(low_bits, top_bits));
 }
 
 // Scale k of 8 (i16, in both 128-bit halves of `scales`) in every i16 lane.
