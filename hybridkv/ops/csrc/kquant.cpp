@@ -178,17 +178,18 @@ struct Q6K {
 
   ALWAYS_INLINE static Sums scalar(const uint8_t* w, const int8_t* a, const int16_t* xs) {
     const auto* sc = reinterpret_cast<const int8_t*>(w + 192);
-    int32_t dot[16] = {};
-    for (int h = 0; h < 2; ++h) {  // per half: ql[64], qh[32] give weights l, l+32, l+64, l+96
+    int32_t dot[16];
+    for (int h = 0; h < 2; ++h) {  // per half: weights 32i + l from ql[l + 32(i&1)]'s nibble i/2, qh[l]'s bits 2i
       const uint8_t *ql = w + 64 * h, *qh = w + 128 + 32 * h;
-      const int8_t* x = a + 128 * h;
-      for (int l = 0; l < 32; ++l) {
-        const int is = 8 * h + l / 16;
-        dot[is + 0] += ((ql[l] & 15) | ((qh[l] & 3) << 4)) * x[l];
-        dot[is + 2] += ((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) * x[l + 32];
-        dot[is + 4] += ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) * x[l + 64];
-        dot[is + 6] += ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) * x[l + 96];
-      }
+      for (int i = 0; i < 4; ++i)
+        for (int half = 0; half < 2; ++half) {  // sub-blocks of 16, loops the compiler vectorizes
+          int32_t sum = 0;
+          for (int l = 16 * half; l < 16 * half + 16; ++l) {
+            const int q = ((ql[l + 32 * (i & 1)] >> (4 * (i >> 1))) & 15) | (((qh[l] >> (2 * i)) & 3) << 4);
+            sum += q * a[128 * h + 32 * i + l];
+          }
+          dot[8 * h + 2 * i + half] = sum;
+        }
     }
     Sums r{0, 0};
     for (int j = 0; j < 16; ++j) r.s += sc[j] * dot[j], r.m += 32 * sc[j] * xs[j];
