@@ -35,7 +35,7 @@ from hybridkv.ops.attention import paged_attention
 from hybridkv.ops.conv import causal_conv1d, causal_conv1d_step
 from hybridkv.ops.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from hybridkv.ops.dtypes import f32
-from hybridkv.ops.matmul import FEW_ROWS, mm, swiglu
+from hybridkv.ops.matmul import FEW_ROWS, mm, mm_t, swiglu
 from hybridkv.ops.moe import moe_block
 
 
@@ -267,7 +267,8 @@ class Qwen3NextModel(nn.Module):
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)
         x = self.norm(x)
-        logits = F.linear(x.to(self.embed.dtype), self.embed) if self.lm_head is None else mm(x, self.lm_head)
+        # A tied head multiplies by the embedding [V, D] as stored: `mm_t` reads it once per step.
+        logits = mm_t(x, self.embed) if self.lm_head is None else mm(x, self.lm_head)
         return logits.float()
 
 

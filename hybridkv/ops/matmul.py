@@ -18,8 +18,8 @@ FEW_ROWS = 32
 def mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [T, D] @ w [D, N] → [T, N] in x's dtype.
 
-    Up to FEW_ROWS rows: the C++ kernel (`native.rows_matmul`) holds all rows of a column tile in
-    registers while w streams by once (1.3-2x MKL at 2-16 rows). Without it, one row at a time on
+    Up to FEW_ROWS rows: the C++ kernel (`native.rows_matmul`) reads w once for all rows (AVX2:
+    1.2-2.9x MKL at 2-16 rows, measured on Zen 3; AVX-512: register tiles, 1.3-2x). Without it, one row at a time on
     MKL streams w on one core, so split D into one part per thread as one bmm and add the parts
     (~1.5x the bandwidth). More rows: MKL.
     """
@@ -33,6 +33,19 @@ def mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if parts == 1 or D % parts or w.dtype != torch.float32:  # (bf16 would round each part)
         return x @ w
     return torch.bmm(x.reshape(T, parts, D // parts).transpose(0, 1), w.view(parts, D // parts, -1)).sum(0)
+
+
+def mm_t(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, D] @ w [N, D]ᵀ → [T, N] float32: a weight stored [out, in], as a tied lm_head uses the
+    embedding [V, D].
+
+    Up to FEW_ROWS rows: the C++ kernel (`native.rows_matmul_t`) reads each row of w once for all
+    rows of x (MKL's F.linear reads the weight again per row or two: 1.7-2.9x slower at 2-16 rows)
+    and widens bfloat16 weights in registers. Otherwise F.linear in w's dtype.
+    """
+    if x.shape[0] <= FEW_ROWS and native.enabled(x, w):
+        return native.rows_matmul_t(x, w)
+    return F.linear(x.to(w.dtype), w).float()
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,7 @@ Each has a readable PyTorch twin that the model uses when the kernels are unavai
 compiler, `HYBRIDKV_NATIVE=0`) and that the tests compare it with:
 
     rows_matmul(x, w)            x @ w for a few rows (decode batches), w [D, N] float32 or bfloat16
+    rows_matmul_t(x, w)          x @ wᵀ for a few rows, w [N, D] (a tied lm_head: the embedding)
     rms_norm(x, w, eps)          F.rms_norm in float32
     moe_block(x, ...)            hybridkv.ops.moe.moe_block's PyTorch path (router, experts, shared expert)
     gdn_forward(mixed, ...)      GatedDeltaNet's PyTorch path after in_proj (conv, norms, gates, delta rule)
@@ -97,6 +98,12 @@ def _ops() -> Any:
 def rows_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [T, D] @ w [D, N] → [T, N] float32, for few rows (≲ 32): every row in one pass over w."""
     return _ops().rows_matmul(x, w)
+
+
+def rows_matmul_t(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, D] @ w [N, D]ᵀ → [T, N] float32, for few rows: w's rows are read once, each against
+    every row of x (`F.linear(x, w)` in float32)."""
+    return _ops().rows_matmul_t(x, w)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

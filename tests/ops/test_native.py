@@ -38,6 +38,27 @@ def test_rows_matmul_bf16_weights_match_the_upcast_product(T: int) -> None:
     assert_close(native.rows_matmul(x, w), x @ w.float(), rel=1e-5 * 96**0.5)
 
 
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 7, 16, 32])
+@pytest.mark.parametrize(("N", "D"), [(64, 64), (17, 37), (9, 1024), (9001, 70), (5, 16)])
+def test_rows_matmul_t_equals_linear(T: int, N: int, D: int) -> None:
+    # N covers 8-row groups (one row of x), 4-row groups and single rows; D whole vectors and tails.
+    gen = torch.Generator().manual_seed(T * 1000 + N)
+    x, w = torch.randn(T, D, generator=gen), torch.randn(N, D, generator=gen)
+    assert_close(native.rows_matmul_t(x, w), F.linear(x, w), rel=1e-5 * D**0.5)
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_rows_matmul_t_bf16_weights_match_the_upcast_product(T: int) -> None:
+    gen = torch.Generator().manual_seed(T)
+    x, w = torch.randn(T, 96, generator=gen), torch.randn(300, 96, generator=gen).bfloat16()
+    assert_close(native.rows_matmul_t(x, w), F.linear(x, w.float()), rel=1e-5 * 96**0.5)
+
+
+def test_rows_matmul_t_rejects_mismatched_shapes() -> None:
+    with pytest.raises(RuntimeError, match=r"x \[T, D\] @ w \[N, D\]\^T"):
+        native.rows_matmul_t(torch.randn(2, 8), torch.randn(4, 9))
+
+
 def test_rows_matmul_rejects_mismatched_shapes() -> None:
     with pytest.raises(RuntimeError, match=r"x \[T, D\] @ w \[D, N\]"):
         native.rows_matmul(torch.randn(2, 8), torch.randn(9, 4))

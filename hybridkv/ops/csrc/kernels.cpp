@@ -24,10 +24,32 @@
 
 namespace {
 
-constexpr int LANES = 16;
-// A register tile: up to R rows x V vectors of 16 columns. float32 weights: 6 x 4 (64 columns, 256
-// bytes of each weight row). bfloat16 with few rows: 3 x 8, so a tile still reads 256-byte runs of
-// each row (128-byte runs stream at half the bandwidth, measured); with more rows, 6 x 4.
+// One vector is one machine register: 16 floats with AVX-512, 8 with AVX2. (GCC lowers a generic
+// vector wider than the registers into stack round trips, several times slower than scalar code.)
+#if defined(__AVX512F__)
+#define HYBRIDKV_LANES 16
+#else
+#define HYBRIDKV_LANES 8
+#endif
+constexpr int LANES = HYBRIDKV_LANES;
+// How a few rows of x meet a weight w [D, N] (`matmul_into`):
+//   AVX-512 (32 registers): register tiles of up to R rows x V vectors of the result, held while
+//     w's rows stream by down a column strip (`columns`); wide tiles (up to MAX_R rows) read long
+//     runs of each row (128-byte runs stream at half the bandwidth of 256-byte ones, measured).
+//     float32 6 x 4 (64 columns); bfloat16 3 x 8 (128 columns), 6 x 4 narrow.
+//   AVX2 (16 registers): w's rows streamed whole into a block of y kept in L1 (`stream_rows`):
+//     the strip walk's short runs, 4 KiB apart when N is a power of two, stream at half the rate
+//     there, and a 6 x 4 tile does not fit. 1.2-2.2x MKL at 2-8 rows, about even at 16 (measured,
+//     one thread, Zen 3).
+//   One row: each thread streams a contiguous block of w's rows (`matmul_row_split_depth`), on
+//     AVX-512 for wide weights (an lm_head; ~10% over tiles), on AVX2 always (1.0-1.3x MKL).
+#if HYBRIDKV_LANES == 16
+constexpr bool STREAM_ROWS = false;
+constexpr int64_t WIDE = 8192;
+#else
+constexpr bool STREAM_ROWS = true;
+constexpr int64_t WIDE = 0;
+#endif
 template <typename W>
 struct Tiling {
   static constexpr int V = sizeof(W) == 2 ? 8 : 4;
@@ -35,11 +57,12 @@ struct Tiling {
   static constexpr int COLS = V * LANES;  // also the unit of parallel work
 };
 constexpr int NARROW_V = 4, NARROW_R = 6;
+constexpr int64_t Y_BLOCK = 4096;  // floats of y that `stream_rows` keeps in L1 (16 KiB)
 constexpr int64_t FEW_ROWS = 32;  // up to here a product streams its weight; beyond, MKL (float32)
 
-typedef float vf __attribute__((vector_size(64)));
-typedef uint16_t vh __attribute__((vector_size(32)));
-typedef uint32_t vu __attribute__((vector_size(64)));
+typedef float vf __attribute__((vector_size(4 * LANES)));
+typedef uint16_t vh __attribute__((vector_size(2 * LANES)));
+typedef uint32_t vu __attribute__((vector_size(4 * LANES)));
 
 inline vf load(const float* p) {
   vf v;
@@ -52,6 +75,8 @@ inline vf load(const at::BFloat16* p) {
 #ifdef __AVX512F__  // one zero-extension and one shift (GCC splits the generic form into 256-bit halves)
   const __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
   return (vf)_mm512_castsi512_ps(wide);
+#elif defined(__AVX2__)  // likewise (the generic form widens each 128-bit half apart)
+  return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16);
 #else
   vh h;
   std::memcpy(&h, p, sizeof h);
@@ -69,15 +94,19 @@ typedef float v4 __attribute__((vector_size(16)));
 
 // The sum of a vector's lanes as a tree (a lane-by-lane loop is a 16-add dependency chain).
 inline float hsum(vf v) {
+#if HYBRIDKV_LANES == 16
   const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  const v8 a = v;
+#endif
   const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-typedef int32_t vi __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(4 * LANES)));
 
-// exp(x) for x <= 0 (softmax), 16 lanes: x = n ln2 + r with |r| <= ln2/2, exp(r) by its degree-7
+// exp(x) for x <= 0 (softmax), a vector at a time: x = n ln2 + r with |r| <= ln2/2, exp(r) by its degree-7
 // Taylor polynomial (relative error < 1e-8 before rounding), 2^n through the exponent bits.
 inline vf vexp(vf x) {
   const vf lo = vf{} - 87.0f;
@@ -97,7 +126,7 @@ inline vf vexp(vf x) {
   return p * (vf)scale;
 }
 
-// exp(x) for any x, 16 lanes (above 88, where 2^n would leave the exponent range: +inf).
+// exp(x) for any x (above 88, where 2^n would leave the exponent range: +inf).
 inline vf vexp_any(vf x) {
   const vf hi = vf{} + 88.0f;
   const vf big = x > hi ? vf{} + __builtin_inff() : vf{};
@@ -105,7 +134,7 @@ inline vf vexp_any(vf x) {
   return x > hi ? big : e;
 }
 
-// Sum of x[i] * y[i] for i < n, 16 lanes at a time.
+// Sum of x[i] * y[i] for i < n, a vector at a time.
 inline float dot(const float* x, const float* y, int64_t n) {
   vf acc = {};
   int64_t i = 0;
@@ -116,7 +145,7 @@ inline float dot(const float* x, const float* y, int64_t n) {
 }
 
 
-// y[r, n0:n0+V*16] = sum_d x[r, d] * w[d, n0:...] for r < R. With several rows, the next tile's
+// y[r, n0:n0+V*LANES] = sum_d x[r, d] * w[d, n0:...] for r < R. With several rows, the next tile's
 // columns of each row are prefetched as this one is read, so the strided walk down W's rows does
 // not wait on memory.
 template <int R, int V, typename W>
@@ -166,7 +195,7 @@ void columns(const float* x, int64_t T, int64_t D, const W* w, int64_t N, float*
   for (; n + LANES <= n1; n += LANES)
     for (int64_t r = 0; r < T; r += NARROW_R)
       tile_rows<1>(std::min<int64_t>(NARROW_R, T - r), x + r * D, D, w + n, N, y + r * N + n, N, D);
-  for (; n < n1; ++n)  // fewer than 16 columns left
+  for (; n < n1; ++n)  // fewer than LANES columns left
     for (int64_t r = 0; r < T; ++r) {
       float s = 0.f;
       for (int64_t d = 0; d < D; ++d) s += x[r * D + d] * scalar(w[d * N + n]);
@@ -218,10 +247,8 @@ void depth_block(const float* x, const W* w, int64_t N, float* y, int64_t d0, in
     for (int64_t n = 0; n < N; ++n) y[n] += x[d] * scalar(w[d * N + n]);
 }
 
-// One row against a wide weight (an lm_head): each thread streams a contiguous block of w's rows
-// into its own partial sum, then the partials are added (~10% more bandwidth than column tiles).
-constexpr int64_t WIDE = 8192;
-
+// One row: each thread streams a contiguous block of w's rows into its own partial sum, then the
+// partials are added.
 void matmul_row_split_depth(const float* x, int64_t D, const at::Tensor& w, float* y) {
   const int64_t N = w.size(1), parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), D / 4));
   const int64_t step = (D / parts + 3) / 4 * 4;
@@ -239,6 +266,70 @@ void matmul_row_split_depth(const float* x, int64_t D, const at::Tensor& w, floa
   }
 }
 
+// Columns of y one `stream_rows` block holds for T rows.
+inline int64_t stream_block(int64_t T) {
+  return std::max<int64_t>(LANES, Y_BLOCK / std::max<int64_t>(T, 1) / LANES * LANES);
+}
+
+// Columns [n0, n1) of y[T, N] = x[T, D] @ w[D, N], streaming w's rows: per block of columns whose
+// rows of y stay in L1, four rows of w at a time, each read as one contiguous run and applied to
+// every row of x.
+template <typename W>
+void stream_rows(const float* x, int64_t T, int64_t D, const W* w, int64_t N, float* y, int64_t n0, int64_t n1) {
+  const int64_t block = stream_block(T);
+  for (int64_t c0 = n0; c0 < n1; c0 += block) {
+    const int64_t c1 = std::min(n1, c0 + block);
+    for (int64_t t = 0; t < T; ++t) std::fill(y + t * N + c0, y + t * N + c1, 0.f);
+    int64_t d = 0;
+    for (; d + 4 <= D; d += 4) {
+      const W *w0 = w + d * N, *w1 = w0 + N, *w2 = w1 + N, *w3 = w2 + N;
+      int64_t t = 0;
+      for (; t + 2 <= T; t += 2) {  // two rows of x share each load of w: 8 FMAs per 4 loads of w
+        const float *xa = x + t * D + d, *xb = xa + D;
+        const float a0 = xa[0], a1 = xa[1], a2 = xa[2], a3 = xa[3], b0 = xb[0], b1 = xb[1], b2 = xb[2], b3 = xb[3];
+        float *ya = y + t * N, *yb = ya + N;
+        int64_t n = c0;
+        for (; n + LANES <= c1; n += LANES) {
+          const vf v0 = load(w0 + n), v1 = load(w1 + n), v2 = load(w2 + n), v3 = load(w3 + n);
+          store(ya + n, load(ya + n) + a0 * v0 + a1 * v1 + a2 * v2 + a3 * v3);
+          store(yb + n, load(yb + n) + b0 * v0 + b1 * v1 + b2 * v2 + b3 * v3);
+        }
+        for (; n < c1; ++n) {
+          const float v0 = scalar(w0[n]), v1 = scalar(w1[n]), v2 = scalar(w2[n]), v3 = scalar(w3[n]);
+          ya[n] += a0 * v0 + a1 * v1 + a2 * v2 + a3 * v3;
+          yb[n] += b0 * v0 + b1 * v1 + b2 * v2 + b3 * v3;
+        }
+      }
+      for (; t < T; ++t) {
+        const float *xt = x + t * D + d, a0 = xt[0], a1 = xt[1], a2 = xt[2], a3 = xt[3];
+        float* yt = y + t * N;
+        int64_t n = c0;
+        for (; n + LANES <= c1; n += LANES)
+          store(yt + n, load(yt + n) + a0 * load(w0 + n) + a1 * load(w1 + n) + a2 * load(w2 + n) + a3 * load(w3 + n));
+        for (; n < c1; ++n) yt[n] += a0 * scalar(w0[n]) + a1 * scalar(w1[n]) + a2 * scalar(w2[n]) + a3 * scalar(w3[n]);
+      }
+    }
+    for (; d < D; ++d)
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t n = c0; n < c1; ++n) y[t * N + n] += x[t * D + d] * scalar(w[d * N + n]);
+  }
+}
+
+// Columns [n0, n1) of y[T, N] = x[T, D] @ w[D, N] the way this machine does them best (see the top).
+template <typename W>
+void product_columns(const float* x, int64_t T, int64_t D, const W* w, int64_t N, float* y, int64_t n0, int64_t n1) {
+  if constexpr (STREAM_ROWS)
+    stream_rows(x, T, D, w, N, y, n0, n1);
+  else
+    columns(x, T, D, w, N, y, n0, n1);
+}
+
+// The unit of parallel work of `product_columns` for T rows.
+template <typename W>
+int64_t chunk_columns(int64_t T) {
+  return STREAM_ROWS ? stream_block(T) : Tiling<W>::COLS;
+}
+
 // y[T, N] = x[T, D] @ w[D, N], columns split over threads.
 void matmul_into(const float* x, int64_t T, int64_t D, const at::Tensor& w, float* y) {
   const int64_t N = w.size(1);
@@ -250,8 +341,9 @@ void matmul_into(const float* x, int64_t T, int64_t D, const at::Tensor& w, floa
   if (T == 1 && N >= WIDE) return matmul_row_split_depth(x, D, w, y);
   with_weight_type(w, [&](auto* wp) {
     using W = std::remove_cv_t<std::remove_pointer_t<decltype(wp)>>;
-    parallel_columns(1, N, Tiling<W>::COLS,
-                     [&](int64_t, int64_t n0, int64_t n1) { columns(x, T, D, wp, N, y, n0, n1); });
+    parallel_columns(1, N, chunk_columns<W>(T), [&](int64_t, int64_t n0, int64_t n1) {
+      product_columns(x, T, D, wp, N, y, n0, n1);
+    });
   });
 }
 
@@ -262,6 +354,73 @@ at::Tensor rows_matmul(const at::Tensor& x_in, const at::Tensor& w) {
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   at::Tensor y = at::empty({x.size(0), w.size(1)}, x.options());
   matmul_into(x.data_ptr<float>(), x.size(0), x.size(1), w, y.data_ptr<float>());
+  return y;
+}
+
+// y[t, n0 + j] = x[t] . w[n0 + j] for RX rows of x and RW rows of w [N, D] (each row contiguous):
+// RW x RX sums in registers while the rows stream by a vector at a time (AVX2: 4 x 3 sums and the
+// 4 weight vectors fill the 16 registers; x comes from L1/L2 as a memory operand).
+template <int RW, int RX, typename W>
+inline void dot_tile(const float* x, int64_t D, const W* w, float* y, int64_t N) {
+  vf acc[RX][RW] = {};
+  int64_t d = 0;
+  for (; d + LANES <= D; d += LANES) {
+    vf wv[RW];
+    for (int j = 0; j < RW; ++j) wv[j] = load(w + j * D + d);
+    for (int r = 0; r < RX; ++r) {
+      const vf xv = load(x + r * D + d);
+      for (int j = 0; j < RW; ++j) acc[r][j] += xv * wv[j];
+    }
+  }
+  for (int r = 0; r < RX; ++r)
+    for (int j = 0; j < RW; ++j) {
+      float sum = hsum(acc[r][j]);
+      for (int64_t i = d; i < D; ++i) sum += x[r * D + i] * scalar(w[j * D + i]);
+      y[r * N + j] = sum;
+    }
+}
+
+template <int RW, typename W>
+inline void dot_rows(int RX, const float* x, int64_t D, const W* w, float* y, int64_t N) {
+  switch (RX) {
+    case 1: return dot_tile<RW, 1>(x, D, w, y, N);
+    case 2: return dot_tile<RW, 2>(x, D, w, y, N);
+    default: return dot_tile<RW, 3>(x, D, w, y, N);
+  }
+}
+
+// y[T, N] = x[T, D] @ w[N, D]^T for few rows: a weight stored [out, in], as a tied lm_head uses
+// the embedding [V, D]. Each thread streams a contiguous block of w's rows once; every row of x
+// meets each group of 4 rows (one: 8) while they are in L1.
+at::Tensor rows_matmul_t(const at::Tensor& x_in, const at::Tensor& w) {
+  TORCH_CHECK(x_in.dim() == 2 && w.dim() == 2 && x_in.size(1) == w.size(1),
+              "rows_matmul_t: x [T, D] @ w [N, D]^T, got ", x_in.sizes(), " and ", w.sizes());
+  check_weight(w, "rows_matmul_t weight");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t T = x.size(0), D = x.size(1), N = w.size(0);
+  at::Tensor y = at::empty({T, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  constexpr int64_t GROUP = 8;  // rows of w per unit of work (T = 1: one tile; else two)
+  with_weight_type(w, [&](auto* wp) {
+    at::parallel_for(0, (N + GROUP - 1) / GROUP, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin * GROUP; n < std::min(N, end * GROUP);) {
+        const int64_t left = std::min(N, end * GROUP) - n;
+        if (T == 1 && left >= 8) {
+          dot_tile<8, 1>(xp, D, wp + n * D, yp + n, N);
+          n += 8;
+        } else if (left >= 4) {
+          for (int64_t t = 0; t < T; t += 3)
+            dot_rows<4>(static_cast<int>(std::min<int64_t>(3, T - t)), xp + t * D, D, wp + n * D, yp + t * N + n, N);
+          n += 4;
+        } else {
+          for (int64_t t = 0; t < T; t += 3)
+            dot_rows<1>(static_cast<int>(std::min<int64_t>(3, T - t)), xp + t * D, D, wp + n * D, yp + t * N + n, N);
+          n += 1;
+        }
+      }
+    });
+  });
   return y;
 }
 
@@ -318,9 +477,11 @@ void routed_into(const float* xp, int64_t T, int64_t D, const int64_t* idp, cons
   }
   const bool mkl = gate_up.scalar_type() == at::kFloat;
   std::vector<int64_t> few, many;  // experts with rows, by how many
+  int64_t max_rows = 1;  // of the few
   for (int64_t e = 0; e < E; ++e) {
     const int64_t rows = start[e + 1] - start[e];
     if (rows > 0) (mkl && rows > FEW_ROWS ? many : few).push_back(e);
+    if (rows > 0 && !(mkl && rows > FEW_ROWS)) max_rows = std::max(max_rows, rows);
   }
 
   // Scratch from ATen's allocator: uninitialised (a zeroed std::vector costs a memset of ~18 MB at 512 tokens).
@@ -340,9 +501,10 @@ void routed_into(const float* xp, int64_t T, int64_t D, const int64_t* idp, cons
     }
     with_weight_type(weight, [&](auto* wp) {
       using W = std::remove_cv_t<std::remove_pointer_t<decltype(wp)>>;
-      parallel_columns(static_cast<int64_t>(few.size()), N, Tiling<W>::COLS, [&](int64_t g, int64_t n0, int64_t n1) {
+      parallel_columns(static_cast<int64_t>(few.size()), N, chunk_columns<W>(max_rows), [&](int64_t g, int64_t n0,
+                                                                                          int64_t n1) {
         const int64_t e = few[g], s0 = start[e], rows = start[e + 1] - s0;
-        columns(in + s0 * K, rows, K, wp + e * K * N, N, out + s0 * N, n0, n1);
+        product_columns(in + s0 * K, rows, K, wp + e * K * N, N, out + s0 * N, n0, n1);
       });
     });
   };
@@ -454,31 +616,39 @@ void delta_step(float* S, const float* q, const float* k, const float* v, float 
   }
 }
 
-constexpr int64_t MAX_DV = 16 * LANES;
-
-// `delta_step` with u and o held in registers (dv a multiple of 16, at most MAX_DV).
-void delta_step_vec(float* S, const float* q, const float* k, const float* v, float beta, float decay, int64_t dk,
-                    int64_t dv, float* o_out) {
-  const int64_t nv = dv / LANES;
-  vf u[MAX_DV / LANES] = {}, o[MAX_DV / LANES] = {};
+// Columns [c, c + NV*LANES) of `delta_step`: each column of S only meets its own u and o, so a
+// head runs as column slices whose u and o stay in registers (NV = 4: 8 of the 16 AVX2 registers).
+template <int NV>
+inline void delta_columns(float* S, const float* q, const float* k, const float* v, float beta, float decay,
+                          int64_t dk, int64_t dv, int64_t c, float* o_out) {
+  vf u[NV] = {}, o[NV] = {};
   for (int64_t i = 0; i < dk; ++i) {
-    float* row = S + i * dv;
-    for (int64_t j = 0; j < nv; ++j) {
+    float* row = S + i * dv + c;
+    for (int j = 0; j < NV; ++j) {
       const vf decayed = load(row + j * LANES) * decay;
       store(row + j * LANES, decayed);
       u[j] += k[i] * decayed;
     }
   }
-  for (int64_t j = 0; j < nv; ++j) u[j] = beta * (load(v + j * LANES) - u[j]);
+  for (int j = 0; j < NV; ++j) u[j] = beta * (load(v + c + j * LANES) - u[j]);
   for (int64_t i = 0; i < dk; ++i) {
-    float* row = S + i * dv;
-    for (int64_t j = 0; j < nv; ++j) {
+    float* row = S + i * dv + c;
+    for (int j = 0; j < NV; ++j) {
       const vf updated = load(row + j * LANES) + k[i] * u[j];
       store(row + j * LANES, updated);
       o[j] += q[i] * updated;
     }
   }
-  for (int64_t j = 0; j < nv; ++j) store(o_out + j * LANES, o[j]);
+  for (int j = 0; j < NV; ++j) store(o_out + c + j * LANES, o[j]);
+}
+
+// `delta_step` a vector of columns at a time (dv a multiple of LANES).
+void delta_step_vec(float* S, const float* q, const float* k, const float* v, float beta, float decay, int64_t dk,
+                    int64_t dv, float* o_out) {
+  constexpr int NV = 4;
+  int64_t c = 0;
+  for (; c + NV * LANES <= dv; c += NV * LANES) delta_columns<NV>(S, q, k, v, beta, decay, dk, dv, c, o_out);
+  for (; c < dv; c += LANES) delta_columns<1>(S, q, k, v, beta, decay, dk, dv, c, o_out);
 }
 
 // out = RMSNorm(o) * weight * silu(z) over dv.
@@ -550,7 +720,7 @@ at::Tensor gdn_forward(const at::Tensor& mixed_in, const at::Tensor& conv_weight
   // The first snapshot at or after token `t`.
   auto first_snapshot = [&](int64_t t) { return std::lower_bound(stok, stok + S, t) - stok; };
 
-  // Phase 1, per block of 16 channels: the causal conv of every sequence, token by token, its
+  // Phase 1, per block of LANES channels: the causal conv of every sequence, token by token, its
   // window (the conv state) kept in registers; SiLU.
   at::Tensor y = at::empty({T, C}, mixed.options());
   float* yp = y.data_ptr<float>();
@@ -600,7 +770,7 @@ at::Tensor gdn_forward(const at::Tensor& mixed_in, const at::Tensor& conv_weight
   at::Tensor out = at::empty({T, Hv * dv}, mixed.options());
   float* op = out.data_ptr<float>();
   const float *alp = a_log.data_ptr<float>(), *bp = bias.data_ptr<float>(), *nwp = nw.data_ptr<float>();
-  const bool vectors = dv % LANES == 0 && dv <= MAX_DV;
+  const bool vectors = dv % LANES == 0;
   at::parallel_for(0, N * Hv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> u(dv), o(dv);
     for (int64_t item = begin; item < end; ++item) {
@@ -813,6 +983,7 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double 
 
 TORCH_LIBRARY(hybridkv, m) {
   m.def("rows_matmul(Tensor x, Tensor w) -> Tensor");
+  m.def("rows_matmul_t(Tensor x, Tensor w) -> Tensor");
   m.def(
       "moe_block(Tensor x, Tensor gate_in, Tensor gate_up, Tensor down, Tensor shared_down, int top_k, "
       "bool norm_topk) -> Tensor");
@@ -829,6 +1000,7 @@ TORCH_LIBRARY(hybridkv, m) {
 
 TORCH_LIBRARY_IMPL(hybridkv, CPU, m) {
   m.impl("rows_matmul", rows_matmul);
+  m.impl("rows_matmul_t", rows_matmul_t);
   m.impl("moe_block", moe_block);
   m.impl("gdn_forward", gdn_forward);
   m.impl("rms_norm", rms_norm);
