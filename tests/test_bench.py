@@ -1,4 +1,5 @@
-"""`hybridkv bench` on a tiny model: the document it writes and what its figures mean (no timings)."""
+"""`hybridkv bench` on tiny models: the document it writes, what its figures mean, and the named
+shapes it builds (their configs only: a 0.8B checkpoint is never built here; no timings)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,17 @@ from hybridkv import CachedModel, bench, cli
 from hybridkv.bench.machine import Limits
 from hybridkv.bench.profile import op_families, part_times
 from hybridkv.bench.report import print_table, write_json
-from hybridkv.bench.workload import BENCH_MODEL, Chat, ChatLayout, Plan, build_checkpoint
+from hybridkv.bench.workload import (
+    BENCH_MODEL,
+    SHAPES,
+    Chat,
+    ChatLayout,
+    Plan,
+    Shape,
+    build_checkpoint,
+    cached_checkpoint,
+)
+from hybridkv.models import ModelConfig
 from hybridkv.ops import native
 
 SCENARIOS = [
@@ -48,6 +59,27 @@ TINY_MODEL = {
     "shared_expert_intermediate_size": 16,
     "intermediate_size": 32,
 }
+TINY_QWEN3_5 = {  # the 0.8B's structure (tied head, dense SwiGLU, 3:1 layers), tiny
+    "vocab_size": 128,
+    "hidden_size": 32,
+    "num_hidden_layers": 4,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 2,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "linear_conv_kernel_dim": 4,
+    "intermediate_size": 48,
+    "tie_word_embeddings": True,
+}
+TINY_SHAPES = {
+    "qwen3_next": Shape("tiny-next", "qwen3_next", TINY_MODEL, "tiny Qwen3-Next"),
+    "qwen3_5_text": Shape("tiny-3.5", "qwen3_5_text", TINY_QWEN3_5, "tiny Qwen3.5, tied"),
+}
 TINY_CHAT = ChatLayout(system=6, user=14, header=3, reply=5, turns=3, edited=4)
 TINY_PLAN = Plan(
     prefill_lens=(24, 40),
@@ -66,12 +98,15 @@ LIMITS = Limits(threads=2, read_gb_s=30.0, matmul_gflop_s=100.0)  # fixed: no ti
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_checkpoint(tmp_path_factory.mktemp("bench") / "model", TINY_MODEL)
+    return build_checkpoint(tmp_path_factory.mktemp("bench") / "model", TINY_SHAPES["qwen3_next"])
 
 
-@pytest.fixture(scope="module")
-def document(tiny_dir: Path) -> dict[str, Any]:
-    return bench.run(tiny_dir, torch.float32, TINY_PLAN, log=lambda line: None, limits=LIMITS)
+@pytest.fixture(scope="module", params=list(TINY_SHAPES))
+def document(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The whole bench on a tiny model of each family, built as the named shapes are."""
+    shape = TINY_SHAPES[request.param]
+    cache = tmp_path_factory.mktemp("bench-cache")
+    return bench.run(None, torch.float32, TINY_PLAN, log=lambda line: None, shape=shape, limits=LIMITS, cache_dir=cache)
 
 
 def test_every_scenario_reports_both_engines_a_unit_and_a_ratio(document):
@@ -116,6 +151,11 @@ def test_forks_share_the_prompt_until_they_write(document):
 
 def test_both_engines_run_the_same_weights(document):
     assert document["scenarios"]["prefill_512"]["max_rel_err"] < 1e-4
+
+
+def test_transformers_loads_the_checkpoint_by_its_config(document):
+    expected = {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM"}
+    assert document["run"]["transformers_class"] == expected[document["run"]["model_type"]]
 
 
 def test_limits_are_reported_with_the_fraction_reached(document):
@@ -176,7 +216,7 @@ def test_decode_profile_names_every_part_and_op_family(tiny_dir):
     assert {"SparseMoE x4", "GatedDeltaNet x3", "GatedAttention x1", "layer RMSNorms x8"} <= parts.keys()
     assert all(ms >= 0 for ms in parts.values())
     families = op_families(step, steps=2)
-    assert families["weight matmuls (rows_matmul, mm, bmm)"] > 0
+    assert families["weight matmuls (rows_matmul[_t], mm, bmm)"] > 0
     if native.kernels() is not None:  # a decode step is four C++ kernels and the projections
         assert families["MoE block (C++ moe_block)"] > 0
         assert families["linear-attention step (C++)"] > 0
@@ -185,8 +225,88 @@ def test_decode_profile_names_every_part_and_op_family(tiny_dir):
 
 @pytest.mark.slow
 def test_cli_quick_run_on_a_tiny_checkpoint_writes_json(tmp_path: Path, capsys):
-    model_dir = build_checkpoint(tmp_path / "model", TINY_MODEL)
+    model_dir = build_checkpoint(tmp_path / "model", TINY_SHAPES["qwen3_5_text"])
     out = tmp_path / "bench.json"
     assert cli.main(["bench", "--model", str(model_dir), "--quick", "--json", str(out)]) == 0
     assert list(json.loads(out.read_text())["scenarios"]) == SCENARIOS
     assert "decode_b16" in capsys.readouterr().out
+
+
+# -- the named shapes: each dimension as documented, and as transformers and hybridkv read it ----------
+
+
+def test_the_default_shape_is_issue_6s_model():
+    assert SHAPES["qwen3-next-bench"].config == BENCH_MODEL
+    assert list(SHAPES) == ["qwen3-next-bench", "qwen3.5-0.8b", "qwen3.5-moe-mini"]
+
+
+def test_qwen3_5_0_8b_has_the_real_dimensions():
+    c = SHAPES["qwen3.5-0.8b"].model_config()
+    assert (c.family, c.num_hidden_layers, c.hidden_size, c.vocab_size) == ("qwen3_5", 24, 1024, 248320)
+    assert c.tie_word_embeddings
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (8, 2, 256)
+    assert (c.rotary_dim, c.rope_theta) == (64, 1e7)
+    assert (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim) == (
+        16,
+        16,
+        128,
+        128,
+    )
+    assert c.linear_conv_kernel_dim == 4
+    assert (c.num_experts, c.intermediate_size) == (0, 3584)
+    assert c.layer_kinds == ("linear", "linear", "linear", "attention") * 6
+
+
+def test_qwen3_5_moe_mini_has_the_35b_a3b_layer_dimensions():
+    c = SHAPES["qwen3.5-moe-mini"].model_config()
+    assert (c.family, c.num_hidden_layers, c.hidden_size, c.vocab_size) == ("qwen3_5", 8, 2048, 248320)
+    assert not c.tie_word_embeddings
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rotary_dim) == (16, 2, 256, 64)
+    assert (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim) == (16, 32, 128)
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == (64, 8, 512)
+    assert c.shared_expert_intermediate_size == 512
+    assert all(c.moe_layers) and c.norm_topk_prob
+    assert c.layer_kinds == ("linear", "linear", "linear", "attention") * 2
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_each_shape_reads_the_same_in_transformers_and_hybridkv(name: str):
+    shape = SHAPES[name]
+    hf = shape.hf_config()
+    expected_class = {
+        "qwen3_next": "Qwen3NextConfig",
+        "qwen3_5_text": "Qwen3_5TextConfig",
+        "qwen3_5_moe_text": "Qwen3_5MoeTextConfig",
+    }[shape.model_type]
+    assert type(hf).__name__ == expected_class
+    # What transformers writes to config.json is what hybridkv parses.
+    assert ModelConfig.from_dict(hf.to_dict()) == shape.model_config()
+    assert hf.hidden_size == shape.model_config().hidden_size
+    assert hf.tie_word_embeddings == shape.model_config().tie_word_embeddings
+
+
+@pytest.mark.parametrize(("name", "millions"), [("qwen3.5-0.8b", 752), ("qwen3.5-moe-mini", 2911)])
+def test_shape_parameter_counts(name: str, millions: int):
+    assert round(SHAPES[name].parameters() / 1e6) == millions  # from a meta-device model: nothing allocated
+
+
+def test_a_shape_that_does_not_fit_twice_is_refused_before_it_is_built(monkeypatch, capsys):
+    monkeypatch.setattr("hybridkv.models.weights.available_memory", lambda: 16 << 30)
+    assert cli.main(["bench", "--shape", "qwen3.5-moe-mini"]) == 2  # 2 x 11.6 GB of float32 weights
+    err = capsys.readouterr().err
+    assert "hybridkv and transformers each hold the weights" in err and "--dtype bfloat16" in err
+
+
+def test_the_cache_dir_keeps_a_built_checkpoint_for_the_next_run(tmp_path: Path):
+    lines: list[str] = []
+    first = cached_checkpoint(TINY_SHAPES["qwen3_5_text"], torch.float32, tmp_path, log=lines.append)
+    again = cached_checkpoint(TINY_SHAPES["qwen3_5_text"], torch.float32, tmp_path, log=lines.append)
+    assert first == again and (first / "config.json").is_file()
+    assert lines[0].startswith("building") and lines[1].startswith("using")
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no partial build left behind
+
+
+def test_shape_and_model_are_exclusive(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--shape", "qwen3.5-0.8b", "--model", str(tmp_path)])
+    assert "not allowed with" in capsys.readouterr().err

@@ -16,9 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-from hybridkv.models.qwen3_next import SparseMoE
+from hybridkv.models import Qwen3NextModel
 
 
 def best_time(fn: Callable[[], object], reps: int) -> float:
@@ -73,16 +72,16 @@ class WeightCounts:
     tied: bool
 
     @staticmethod
-    def of(model: nn.Module) -> WeightCounts:
+    def of(model: Qwen3NextModel) -> WeightCounts:
+        """The counts of a loaded model (any family: all share Qwen3NextModel's layers)."""
         params = dict(model.named_parameters())
         total = sum(p.numel() for p in params.values())
         embed = params["embed"].numel()
         lm_head = params["lm_head"].numel() if "lm_head" in params else embed  # tied: embed is the output layer
-        experts, fraction = 0, 1.0
-        for module in model.modules():
-            if isinstance(module, SparseMoE):
-                experts += module.gate_up.numel() + module.down.numel()
-                fraction = module.top_k / module.gate_up.shape[0]
+        # Routed experts are the 3-D [E, ...] feed-forward weights, whatever the family.
+        experts = sum(p.numel() for n, p in params.items() if n.endswith(("ffn.gate_up", "ffn.down")) and p.dim() == 3)
+        config = model.config
+        fraction = config.num_experts_per_tok / config.num_experts if experts else 1.0
         size = params["embed"].element_size()
         return WeightCounts(total, embed, lm_head, experts, fraction, size, tied="lm_head" not in params)
 

@@ -1,10 +1,11 @@
 """Where hybridkv's decode time goes, by part of the model and by op family.
 
-    python -m hybridkv.bench.profile [--model DIR] [--batch N] [--steps N]
+    python -m hybridkv.bench.profile [--shape NAME | --model DIR] [--cache-dir DIR] [--dtype D] [--batch N] [--steps N]
 
-Without --model it builds the bench model (`workload.BENCH_MODEL`, transformers needed). It
-prefills `batch` random 512-token prompts, then times decode steps two ways: wall time per part of
-the model (timers around each module), and self time per op family (torch.profiler).
+Without --model it builds a bench shape (`workload.SHAPES`, as `hybridkv bench --shape`;
+transformers needed). It prefills `batch` random 512-token prompts, then times decode steps two
+ways: wall time per part of the model (timers around each module), and self time per op family
+(torch.profiler).
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ import torch
 from torch import nn
 
 from hybridkv.cached_model import CachedModel
-from hybridkv.models.qwen3_next import Qwen3NextModel
+from hybridkv.models import Qwen3NextModel
 
 # aten op -> family; anything else is "elementwise and other small ops".
 FAMILIES = {
-    "weight matmuls (rows_matmul, mm, bmm)": (
+    "weight matmuls (rows_matmul[_t], mm, bmm)": (
         "hybridkv::rows_matmul",
+        "hybridkv::rows_matmul_t",
         "aten::mm",
         "aten::bmm",
         "aten::addmm",
@@ -109,18 +111,24 @@ def op_families(step: Callable[[], object], steps: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from hybridkv.bench import DTYPES
+    from hybridkv.bench.workload import DEFAULT_SHAPE, SHAPES, cached_checkpoint
+
     parser = argparse.ArgumentParser(prog="python -m hybridkv.bench.profile", description=__doc__)
-    parser.add_argument("--model", metavar="DIR", help="checkpoint directory (default: build the bench model)")
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument("--shape", choices=list(SHAPES), default=DEFAULT_SHAPE, help="the random model to build")
+    model.add_argument("--model", metavar="DIR", help="checkpoint directory instead of a built shape")
+    parser.add_argument("--cache-dir", metavar="DIR", type=Path, help="build the shape here once (as bench)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and compute (float32)")
     parser.add_argument("--batch", type=int, default=1, help="sequences decoding together (default 1)")
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed (default 32)")
     args = parser.parse_args(argv)
+    dtype = DTYPES[args.dtype]
     with tempfile.TemporaryDirectory(prefix="hybridkv-profile-") as tmp:
         model_dir = Path(args.model) if args.model else None
         if model_dir is None:
-            from hybridkv.bench.workload import build_checkpoint
-
-            model_dir = build_checkpoint(Path(tmp) / "model")
-        cm = CachedModel.load(model_dir)
+            model_dir = cached_checkpoint(SHAPES[args.shape], dtype, args.cache_dir or Path(tmp), log=print)
+        cm = CachedModel.load(model_dir, dtype=dtype)
     gen = torch.Generator().manual_seed(0)
     seqs = [cm.new_sequence() for _ in range(args.batch)]
     cm.feed({s: torch.randint(0, cm.vocab_size, (512,), generator=gen).tolist() for s in seqs}, logits="last")

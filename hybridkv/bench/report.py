@@ -93,6 +93,7 @@ def print_table(document: dict[str, Any], console: Any) -> None:
     console.print(table)
 
     notes = [
+        f"shape: {run['shape']} ({run['model_type']}; transformers runs {run['transformers_class']})",
         f"machine: {machine['threads']} threads, memory read {machine['memory_read_gb_s']:.1f} GB/s, "
         f"{machine['matmul_dtype']} matmul {machine['matmul_gflop_s']:.0f} GFLOP/s",
         f"model: {model['parameters'] / 1e6:.1f}M parameters, {model['active_parameters_per_token'] / 1e6:.1f}M "

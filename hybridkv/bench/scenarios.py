@@ -1,6 +1,6 @@
 """The scenarios, each run through hybridkv (`CachedModel`) and transformers on the same weights.
 
-transformers runs as a user would run it: `Qwen3NextForCausalLM` with its own cache, prompts with
+transformers runs as a user would run it: `AutoModelForCausalLM` with its own cache, prompts with
 `logits_to_keep=1` (what `generate()` does), decode steps feeding its cache back. Where both
 engines are timed in one scenario their repetitions alternate, so the drift of a shared machine
 hits both alike; every figure is a median.
@@ -25,11 +25,9 @@ from hybridkv.cached_model import CachedModel, LogitsMode
 RATE_UNITS = ("tok/s",)  # higher is better; every other unit is a time, lower is better
 
 
-def _peer_cache_arg() -> str:
+def _peer_cache_arg(peer: Any) -> str:
     # transformers 5.24 renamed the forward's `past_key_values` (and its output field) to `cache`.
-    from transformers import Qwen3NextForCausalLM
-
-    return "cache" if "cache" in inspect.signature(Qwen3NextForCausalLM.forward).parameters else "past_key_values"
+    return "cache" if "cache" in inspect.signature(peer.forward).parameters else "past_key_values"
 
 
 @dataclass(slots=True)
@@ -66,7 +64,7 @@ class Result:
 @dataclass(slots=True)
 class Bench:
     cm: CachedModel
-    peer: Any  # transformers' Qwen3NextForCausalLM
+    peer: Any  # transformers' model of the checkpoint (AutoModelForCausalLM)
     plan: Plan
     limits: Limits
     weights: WeightCounts
@@ -74,7 +72,7 @@ class Bench:
     cache_arg: str = field(init=False)  # the forward's name for its cache: "cache" or "past_key_values"
 
     def __post_init__(self) -> None:
-        self.cache_arg = _peer_cache_arg()
+        self.cache_arg = _peer_cache_arg(self.peer)
 
     @property
     def vocab(self) -> int:

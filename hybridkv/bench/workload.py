@@ -1,10 +1,9 @@
-"""What the bench runs: the model it builds, the sizes of each scenario, and the synthetic chat.
+"""What the bench runs: the models it builds (`SHAPES`), the sizes of each scenario, the synthetic chat.
 
-The model (`BENCH_MODEL`, ~95M parameters, ~40M active per token) is the issue's reference: vocab
-32000, hidden 512, 8 layers with attention at layers 3 and 7, 8 query / 2 KV heads of dim 64,
-linear attention with 4 key / 8 value heads of dim 64 and a conv kernel of 4, 16 experts top-4
-of intermediate 256 plus a shared expert of 256. transformers builds it from a seed and saves it,
-so both engines load the very same checkpoint.
+Every shape is built by transformers from a seed (`AutoModelForCausalLM.from_config`) and saved, so
+both engines load the very same checkpoint: hybridkv through its model registry, transformers
+through `AutoModelForCausalLM`. Where each dimension comes from is written beside it; the Qwen3.5
+figures are those of /work/shared/reference/qwen3.5.md §1 and the sources it names.
 
 The chat (token ids only, seeded) is laid out like a ChatML conversation; every message ends at a
 *message boundary*, which hybridkv is told about (`snapshot_at`, the cache hint at this level):
@@ -20,6 +19,9 @@ The edit scenario replaces the last 10 tokens of user message 8 before its closi
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,9 +29,11 @@ from typing import Any
 import torch
 
 from hybridkv.errors import NotSupported
+from hybridkv.models.config import ModelConfig
 
 SEED = 0
 
+# Issue 6's reference Qwen3-Next (~95M parameters, ~40M active per token).
 BENCH_MODEL: dict[str, Any] = dict(
     vocab_size=32000,
     hidden_size=512,
@@ -51,6 +55,111 @@ BENCH_MODEL: dict[str, Any] = dict(
     max_position_embeddings=4096,
     tie_word_embeddings=False,
 )
+
+
+def _hybrid_layers(n: int) -> list[str]:
+    """Every Qwen3.5: 3 Gated DeltaNet layers, then 1 attention layer (full_attention_interval 4)."""
+    return ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)]
+
+
+# Shared by every Qwen3.5 / 3.6 (reference §1 "All models share", and the released text_config
+# keys of §2): vocab 248,320, attention heads of 256 with partial RoPE over a quarter (64 dims),
+# theta 1e7, interleaved M-RoPE sections [11, 11, 10] (equal to 1-D RoPE for text), Gated
+# DeltaNet heads of 128 / 128 with a conv kernel of 4, 262,144 positions.
+_QWEN3_5: dict[str, Any] = dict(
+    vocab_size=248320,
+    head_dim=256,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 1e7,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [11, 11, 10],
+        "mrope_interleaved": True,
+    },
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=262144,
+)
+
+# Qwen3.5-0.8B, the real dimensions (reference §1 table; friendli.ai/models/Yuqi123/Qwen3.5-0.8B-
+# modelopt-fp8-hflayout; llama.cpp src/models/qwen35.cpp: 24 layers of width 1024 is the 0.8B):
+# 24 layers, hidden 1024, 8 query / 2 KV heads, 16 / 16 Gated DeltaNet heads, dense SwiGLU of
+# 3584, the head tied to the embedding (as the small Qwen3.5s are: no lm_head in their files).
+QWEN3_5_0_8B: dict[str, Any] = dict(
+    _QWEN3_5,
+    hidden_size=1024,
+    num_hidden_layers=24,
+    layer_types=_hybrid_layers(24),
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    linear_num_key_heads=16,
+    linear_num_value_heads=16,
+    intermediate_size=3584,
+    tie_word_embeddings=True,
+)
+
+# Qwen3.5/3.6-35B-A3B's layer dimensions (reference §1 table; mera.a-ai.ru/en/industrial/submits/181;
+# also transformers' Qwen3_5MoeTextConfig defaults): hidden 2048, 16 query / 2 KV heads, 16 key /
+# 32 value Gated DeltaNet heads, experts of 512 with top-8 and a shared expert of 512, an untied
+# head. Cut to 8 layers (of 40) and 64 experts (of 256) so that both engines hold it in memory:
+# 2.9B parameters, 1.6B of them experts.
+QWEN3_5_MOE_MINI: dict[str, Any] = dict(
+    _QWEN3_5,
+    hidden_size=2048,
+    num_hidden_layers=8,
+    layer_types=_hybrid_layers(8),
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    num_experts=64,
+    num_experts_per_tok=8,
+    moe_intermediate_size=512,
+    shared_expert_intermediate_size=512,
+    tie_word_embeddings=False,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """A model the bench builds: transformers' `model_type` (its config class) and the config keys."""
+
+    name: str
+    model_type: str
+    config: Mapping[str, Any]
+    about: str  # one line: what the shape is
+
+    def model_config(self) -> ModelConfig:
+        """The shape as hybridkv parses its config.json."""
+        return ModelConfig.from_dict({"model_type": self.model_type, **self.config}, source=f"shape {self.name}")
+
+    def hf_config(self) -> Any:
+        """transformers' config object of the shape."""
+        return require_transformers().AutoConfig.for_model(self.model_type, **self.config)
+
+    def parameters(self) -> int:
+        """transformers' parameter count, from a model on the meta device (nothing allocated)."""
+        transformers = require_transformers()
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(self.hf_config())
+        return sum(p.numel() for p in model.parameters())
+
+
+SHAPES: dict[str, Shape] = {
+    s.name: s
+    for s in (
+        Shape("qwen3-next-bench", "qwen3_next", BENCH_MODEL, "issue 6's random Qwen3-Next: 95M parameters"),
+        Shape("qwen3.5-0.8b", "qwen3_5_text", QWEN3_5_0_8B, "Qwen3.5-0.8B's dimensions, random weights"),
+        Shape(
+            "qwen3.5-moe-mini",
+            "qwen3_5_moe_text",
+            QWEN3_5_MOE_MINI,
+            "Qwen3.5-35B-A3B's layer dimensions, 8 layers and 64 experts, random weights",
+        ),
+    )
+}
+DEFAULT_SHAPE = "qwen3-next-bench"
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,19 +265,39 @@ def require_transformers() -> Any:
     return transformers
 
 
-def build_checkpoint(path: Path, config: dict[str, Any] = BENCH_MODEL, seed: int = SEED) -> Path:
-    """Write a seeded random Qwen3-Next checkpoint (float32 safetensors) with transformers."""
+def build_checkpoint(
+    path: Path, shape: Shape = SHAPES[DEFAULT_SHAPE], seed: int = SEED, dtype: torch.dtype = torch.float32
+) -> Path:
+    """Write a seeded random checkpoint of `shape` (safetensors in `dtype`) with transformers."""
     transformers = require_transformers()
     torch.manual_seed(seed)
-    model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**config))
+    model = transformers.AutoModelForCausalLM.from_config(shape.hf_config(), dtype=dtype)
     model.save_pretrained(path)
     return path
 
 
+def cached_checkpoint(
+    shape: Shape, dtype: torch.dtype, cache_dir: Path, log: Callable[[str], None] = print, seed: int = SEED
+) -> Path:
+    """`shape`'s checkpoint under `cache_dir`, built the first time (into a side directory that is
+    renamed when complete, so an interrupted build is never taken for a checkpoint)."""
+    path = cache_dir / f"{shape.name}-{str(dtype).removeprefix('torch.')}-seed{seed}"
+    if (path / "config.json").is_file():
+        log(f"using the {shape.name} checkpoint in {path}")
+        return path
+    log(f"building the {shape.name} checkpoint with transformers ({shape.about}) in {path}")
+    partial = path.with_name(path.name + f".partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    build_checkpoint(partial, shape, seed, dtype)
+    partial.rename(path)
+    return path
+
+
 def load_peer(path: Path, dtype: torch.dtype) -> Any:
-    """transformers' Qwen3-Next as a user loads it: eager attention, its PyTorch kernels."""
+    """transformers' model of the checkpoint as a user loads it: `AutoModelForCausalLM`, eager
+    attention, its PyTorch kernels."""
     transformers = require_transformers()
-    model = transformers.Qwen3NextForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
     return model.eval()
 
 
