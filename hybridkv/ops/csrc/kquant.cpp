@@ -7,7 +7,9 @@
 // and M = Σ_j m_j·bsum_j, and the row sum takes (d_w·d_x)·S − (dmin_w·d_x)·M: one float multiply-add
 // per super-block. Q6_K's codes are unsigned with m_j = 32·sc_j in units of d: (d_w·d_x)·(S − M).
 // Two code paths give the same integers: AVX2 (`maddubs`: u8 code × s8 activation into i16 pairs,
-// then `madd` by the i16 scale into i32) and a plain loop; `isa` picks one, so the tests run both.
+// then `madd` by the i16 scale into i32; with several activation rows each weight super-block is
+// unpacked once for all of them) and a plain loop; `isa` picks one, so the tests run both. There is
+// no VNNI path: `dpbusd` would leave the per-sub-block scale to an i32 multiply.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -32,7 +34,7 @@
 namespace {
 
 constexpr int QK_K = 256;
-constexpr int kPrefetch = 4096;  // bytes ahead of the super-block being read (1–2 rows)
+constexpr int kPrefetch = 4096;  // bytes of weights fetched ahead of the super-block being read
 
 enum class Isa { Scalar, Avx2 };
 
@@ -179,7 +181,7 @@ struct Q6K {
   ALWAYS_INLINE static Sums scalar(const uint8_t* w, const int8_t* a, const int16_t* xs) {
     const auto* sc = reinterpret_cast<const int8_t*>(w + 192);
     int32_t dot[16];
-    for (int h = 0; h < 2; ++h) {  // per half: weights 32i + l from ql[l + 32(i&1)]'s nibble i/2, qh[l]'s bits 2i
+    for (int h = 0; h < 2; ++h) {  // per half: weight 32i + l from ql[l + 32(i&1)] nibble i/2, qh[l] bits 2i
       const uint8_t *ql = w + 64 * h, *qh = w + 128 + 32 * h;
       for (int i = 0; i < 4; ++i)
         for (int half = 0; half < 2; ++half) {  // sub-blocks of 16, loops the compiler vectorizes
