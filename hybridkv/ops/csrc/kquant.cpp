@@ -184,7 +184,7 @@ struct Q6K {
     for (int h = 0; h < 2; ++h) {  // per half: weight 32i + l from ql[l + 32(i&1)] nibble i/2, qh[l] bits 2i
       const uint8_t *ql = w + 64 * h, *qh = w + 128 + 32 * h;
       for (int i = 0; i < 4; ++i)
-        for (int half = 0; half < 2; ++half) {  // sub-blocks of 16, loops the compiler vectorizes
+        for (int half = 0; half < 2; ++half) {  // one sub-block of 16: fixed shifts in the inner loop
           int32_t sum = 0;
           for (int l = 16 * half; l < 16 * half + 16; ++l) {
             const int q = ((ql[l + 32 * (i & 1)] >> (4 * (i >> 1))) & 15) | (((qh[l] >> (2 * i)) & 3) << 4);
