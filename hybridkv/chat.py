@@ -9,7 +9,9 @@ template's `enable_thinking`.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 import time
 from typing import Any, Literal
 
@@ -101,13 +103,16 @@ def answer(
     request = llm.engine.add_request(llm.engine.make_request(ids, params, tuple(hints)))
     printer = AnswerPrinter(_opens_thinking(llm, ids), thinking)
     started = time.perf_counter()
-    try:
-        while not request.finished:
-            llm.engine.step()
-            _print_events(request, printer)
-    except KeyboardInterrupt:
-        llm.engine.cancel(request.request_id)
-        llm.engine.run_until_done()
+    with CtrlC() as ctrl_c:
+        try:
+            while not request.finished and not ctrl_c.pressed:
+                llm.engine.step()
+                _print_events(request, printer)
+        except KeyboardInterrupt:  # pressed twice: the step was cut short, its forward is not kept
+            pass
+        if not request.finished:  # what was computed stays in the cache for the next turn
+            llm.engine.cancel(request.request_id)
+            llm.engine.run_until_done()
     _print_events(request, printer)
     printer.finish()
     elapsed = time.perf_counter() - started
@@ -123,6 +128,31 @@ def answer(
         flush=True,
     )
     return output.text
+
+
+class CtrlC:
+    """Ctrl-C while answering: the first press sets `pressed` and the answer stops after the
+    current engine step, so its forward completes and the cache keeps it for the next turn; a
+    second press raises KeyboardInterrupt at once. Off the main thread signals stay as they are."""
+
+    def __init__(self) -> None:
+        self.pressed = 0
+        self._previous: Any = None
+
+    def __enter__(self) -> CtrlC:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if threading.current_thread() is threading.main_thread():
+            previous = self._previous if self._previous is not None else signal.default_int_handler
+            signal.signal(signal.SIGINT, previous)
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        self.pressed += 1
+        if self.pressed > 1:
+            raise KeyboardInterrupt
 
 
 class AnswerPrinter:

@@ -2,9 +2,9 @@
 
 One step = the scheduler picks what to feed (a decode token for every running completion, then
 prompt chunks under the token budget), the model runs one forward for all of it, and the
-results are sampled, checked for stops and streamed. Finished sequences go into the prefix
-index, so the next request sharing a prefix (the next turn of a chat, a shared system prompt)
-computes only what is new.
+results are sampled, checked for stops and streamed. Finished and cancelled sequences go into
+the prefix index, so the next request sharing a prefix (the next turn of a chat, a shared system
+prompt, the same prompt sent again after a disconnect) computes only what is new.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ class Engine:
         return request
 
     def cancel(self, request_id: str) -> None:
-        """Stop a request; its sequences are released at the next step boundary."""
+        """Stop a request at the next step boundary; what it computed is kept for reuse (`_cancel`)."""
         with self._lock:
             self._cancels.add(request_id)
             self._lock.notify()
@@ -157,7 +157,7 @@ class Engine:
             except Exception:  # a bug: fail what is running, keep serving
                 log.exception("engine step failed; cancelling running requests")
                 for request in list(self.running):
-                    self._cancel(request)
+                    self._cancel(request, keep=False)
 
     def run_until_done(self) -> None:
         """Drive the engine in this thread until nothing is queued or running."""
@@ -190,6 +190,10 @@ class Engine:
         except CacheFull:
             self._relieve_pressure()
             return
+        except BaseException:  # interrupted or failed mid-forward: never reuse what it fed
+            for _, branch, *_ in plan:
+                branch.intact = False
+            raise
         self.counters["steps"] += 1
         for request, branch, fed_backlog, fed_pending, sample in plan:
             del branch.backlog[:fed_backlog]
@@ -278,6 +282,7 @@ class Engine:
                     undo.seq = None
                 return False
             branch.seq, keep = placed
+            branch.placed, branch.intact = keep, True
             branch.backlog, branch.pending = ids[keep:], pending
             made.append(branch)
             if fresh:
@@ -360,6 +365,7 @@ class Engine:
         assert branch.seq is not None
         for sibling in siblings:  # n > 1: the prompt was computed once, fork it for every branch
             sibling.seq = self._fork(branch.seq)
+            sibling.placed, sibling.intact = self.cm.length(sibling.seq), True
         for b in (branch, *siblings):
             self._sample(request, b, logits)
 
@@ -398,7 +404,7 @@ class Engine:
             completion.stop_reason = branch.stop.stop_reason
         request.emit(StreamEvent(request.request_id, completion.index, text, (token,), logprobs, finish))
         if finish is not None:
-            self._retire(request, branch, keep=True)
+            self._retire(request, branch, keep=branch.intact)
 
     def _retire(self, request: Request, branch: Branch, keep: bool) -> None:
         """A branch ended: its sequence (prompt + output fed so far) goes into the prefix index."""
@@ -421,18 +427,34 @@ class Engine:
         self.counters["requests_cancelled" if cancelled else "requests_finished"] += 1
         request.emit(StreamEvent(request.request_id, 0, "", (), done=True))
 
-    def _cancel(self, request: Request) -> None:
+    def _cancel(self, request: Request, keep: bool = True) -> None:
+        """End a request's unfinished branches as "cancelled" (their held-back text is released).
+
+        With `keep`, a branch's sequence goes into the prefix index exactly as a finished one's:
+        the prompt and the answer tokens fed so far, i.e. every forward that completed (a prompt
+        cut mid-prefill keeps its computed chunks; the sampled token not fed yet is not in it).
+        A branch that computed nothing (still queued, or only holding the prefix it reused) and
+        one whose last forward was interrupted insert nothing.
+        """
         if request in self.waiting:
             self.waiting.remove(request)
         if not request.branches:
             request.branches = [self._branch(request, i) for i in range(request.params.n)]
         for branch in request.branches:
             if not branch.finished:
-                branch.completion.finish_reason = "cancelled"
-                request.emit(StreamEvent(request.request_id, branch.completion.index, "", (), (), "cancelled"))
-                self._retire(request, branch, keep=False)
+                completion = branch.completion
+                text = branch.stop.flush(branch.decoder.flush())
+                completion.text += text
+                completion.finish_reason = "cancelled"
+                completion.stop_reason = branch.stop.stop_reason
+                request.emit(StreamEvent(request.request_id, completion.index, text, (), (), "cancelled"))
+                self._retire(request, branch, keep=keep and self._computed(branch))
         if not request.finished:
             self._finish(request)
+
+    def _computed(self, branch: Branch) -> bool:
+        """Did `branch`'s sequence compute tokens beyond what it reused, all forwards complete?"""
+        return branch.seq is not None and branch.intact and self.cm.length(branch.seq) > branch.placed
 
     def _relieve_pressure(self) -> None:
         """The forward did not fit: drop a cached sequence, else preempt the newest request (its

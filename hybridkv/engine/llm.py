@@ -149,7 +149,7 @@ class LLM:
             ids = list(completion.token_ids)
             if completion.finish_reason == "stop" and isinstance(completion.stop_reason, int):
                 ids = ids[:-1]  # the stop token's text is not part of the answer
-            elif completion.finish_reason != "length":
+            elif completion.finish_reason not in ("length", "cancelled") or completion.stop_reason is not None:
                 continue  # cut at a stop string: its text and ids no longer line up
             if completion.text:
                 self._generated[completion.text] = ids

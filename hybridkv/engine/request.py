@@ -58,6 +58,9 @@ class Branch:
 
     `backlog` are tokens to feed before `pending` (the sampled token not fed yet); a branch whose
     backlog is the prompt and whose `pending` is None samples from the prompt's last logits.
+    `placed` is how many tokens `seq` held when the branch got it (reused, not computed);
+    `intact` turns False when a forward feeding `seq` was interrupted: its cache state is then
+    not trusted for reuse.
     """
 
     completion: Completion
@@ -67,6 +70,8 @@ class Branch:
     seq: int | None = None
     backlog: list[int] = field(default_factory=list)
     pending: int | None = None
+    placed: int = 0
+    intact: bool = True
 
     @property
     def finished(self) -> bool:
