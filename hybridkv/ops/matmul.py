@@ -1,7 +1,10 @@
 """Products with weights stored transposed, [in, out], chosen by how many rows they have.
 
 At decode batch sizes a product only streams its weight from memory, and how fast it streams
-depends on the method; prefill products are compute-bound and go to MKL as they are.
+depends on the method; prefill products are compute-bound and go to MKL as they are, except
+bfloat16 ones on CPUs without oneDNN's bfloat16 GEMM (no AVX512-BF16 or AMX), where PyTorch's
+fallback multiplies at ~1 GFLOP/s (`x @ w`) or ~20 (`F.linear`): those run in float32, the
+weight widened a block of columns at a time (~140 GFLOP/s on the same 2-core Zen 3).
 """
 
 from __future__ import annotations
@@ -13,18 +16,35 @@ from hybridkv.ops import native
 
 # Up to this many rows a product x @ W only streams W from memory.
 FEW_ROWS = 32
+# Columns (or rows, for mm_t) of a bfloat16 weight widened at once: bounds the float32 copy.
+WIDEN_BLOCK = 8192
+
+
+def _native_bf16_gemm() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+# Whether bfloat16 GEMMs are fast here (oneDNN on AVX512-BF16 / AMX); read once at import.
+BF16_GEMM = _native_bf16_gemm()
 
 
 def mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [T, D] @ w [D, N] → [T, N] in x's dtype.
 
     Up to FEW_ROWS rows: the C++ kernel (`native.rows_matmul`) reads w once for all rows (AVX2:
-    1.2-2.9x MKL at 2-16 rows, measured on Zen 3; AVX-512: register tiles, 1.3-2x). Without it, one row at a time on
-    MKL streams w on one core, so split D into one part per thread as one bmm and add the parts
-    (~1.5x the bandwidth). More rows: MKL.
+    1.2-2.9x MKL at 2-16 rows, measured on Zen 3; AVX-512: register tiles, 1.3-2x). Without it,
+    one row at a time on MKL streams w on one core, so split D into one part per thread as one bmm
+    and add the parts (~1.5x the bandwidth). More rows: MKL (bfloat16: see the module docstring).
     """
     T, D = x.shape
     if T > FEW_ROWS:
+        if w.dtype == torch.bfloat16 and not BF16_GEMM:
+            x32 = x.float()
+            blocks = [x32 @ w[:, n : n + WIDEN_BLOCK].float() for n in range(0, w.shape[1], WIDEN_BLOCK)]
+            return torch.cat(blocks, dim=1).to(x.dtype)
         return x @ w
     if native.enabled(x, w):
         y = native.rows_matmul(x, w)
@@ -41,10 +61,14 @@ def mm_t(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
     Up to FEW_ROWS rows: the C++ kernel (`native.rows_matmul_t`) reads each row of w once for all
     rows of x (MKL's F.linear reads the weight again per row or two: 1.7-2.9x slower at 2-16 rows)
-    and widens bfloat16 weights in registers. Otherwise F.linear in w's dtype.
+    and widens bfloat16 weights in registers. Otherwise F.linear in w's dtype (bfloat16 without a
+    fast bfloat16 GEMM: in float32, a block of w's rows widened at a time).
     """
     if x.shape[0] <= FEW_ROWS and native.enabled(x, w):
         return native.rows_matmul_t(x, w)
+    if w.dtype == torch.bfloat16 and not BF16_GEMM:
+        x32 = x.float()
+        return torch.cat([F.linear(x32, w[n : n + WIDEN_BLOCK].float()) for n in range(0, w.shape[0], WIDEN_BLOCK)], 1)
     return F.linear(x.to(w.dtype), w).float()
 
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridkv.ops import native
-from hybridkv.ops.matmul import FEW_ROWS, mm, silu_mul, swiglu
+from hybridkv.ops.matmul import BF16_GEMM, FEW_ROWS, mm, silu_mul, swiglu
 
 
 def moe_block(
@@ -25,10 +25,11 @@ def moe_block(
     columns first); gate_up [E, D, 2I]; down [E, I, D]; shared_down [Is, D]. The router's softmax
     runs in float32; with norm_topk the chosen k probabilities are renormalised to sum to 1. It runs
     as one C++ kernel for few tokens (decode) and for float32 weights (prefill: the kernel sorts,
-    gathers and scatters, MKL multiplies); bfloat16 prefill keeps PyTorch's bfloat16 GEMMs.
+    gathers and scatters, MKL multiplies); bfloat16 prefill keeps PyTorch's bfloat16 GEMMs where
+    they are fast (`matmul.BF16_GEMM`), else the kernel widens each expert for MKL.
     """
-    few = x.shape[0] <= FEW_ROWS
-    if (few or gate_up.dtype == torch.float32) and native.enabled(x, gate_in, gate_up, down, shared_down):
+    kernel_multiplies = x.shape[0] <= FEW_ROWS or gate_up.dtype == torch.float32 or not BF16_GEMM
+    if kernel_multiplies and native.enabled(x, gate_in, gate_up, down, shared_down):
         y = native.moe_block(x, gate_in, gate_up, down, shared_down, top_k, norm_topk)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
     E, Is = gate_up.shape[0], shared_down.shape[0]

@@ -54,6 +54,20 @@ def test_rows_matmul_t_bf16_weights_match_the_upcast_product(T: int) -> None:
     assert_close(native.rows_matmul_t(x, w), F.linear(x, w.float()), rel=1e-5 * 96**0.5)
 
 
+@pytest.mark.parametrize("widen_block", [8192, 7])  # one block, and blocks with a ragged last one
+def test_bf16_prefill_products_without_a_bf16_gemm_run_in_float32(monkeypatch, widen_block: int) -> None:
+    from hybridkv.ops import matmul
+
+    monkeypatch.setattr(matmul, "BF16_GEMM", False)
+    monkeypatch.setattr(matmul, "WIDEN_BLOCK", widen_block)
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(40, 64, generator=gen).bfloat16(), torch.randn(64, 50, generator=gen).bfloat16()
+    y = matmul.mm(x, w)
+    assert y.dtype == torch.bfloat16
+    assert_close(y.float(), x.float() @ w.float(), rel=1e-2)  # the result rounded to bfloat16 once
+    assert_close(matmul.mm_t(x, w.mT.contiguous()), x.float() @ w.float(), rel=1e-5 * 64**0.5)
+
+
 def test_rows_matmul_t_rejects_mismatched_shapes() -> None:
     with pytest.raises(RuntimeError, match=r"x \[T, D\] @ w \[N, D\]\^T"):
         native.rows_matmul_t(torch.randn(2, 8), torch.randn(4, 9))

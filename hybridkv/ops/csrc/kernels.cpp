@@ -59,6 +59,11 @@ struct Tiling {
 constexpr int NARROW_V = 4, NARROW_R = 6;
 constexpr int64_t Y_BLOCK = 4096;  // floats of y that `stream_rows` keeps in L1 (16 KiB)
 constexpr int64_t FEW_ROWS = 32;  // up to here a product streams its weight; beyond, MKL (float32)
+#if defined(__AVX512BF16__)
+constexpr bool BF16_DOT = true;
+#else
+constexpr bool BF16_DOT = false;
+#endif
 
 typedef float vf __attribute__((vector_size(4 * LANES)));
 typedef uint16_t vh __attribute__((vector_size(2 * LANES)));
@@ -458,7 +463,7 @@ void silu_mul_rows(const float* h, int64_t P, int64_t I, float* act) {
 
 // Routed SwiGLU experts: out[t] += sum_j wts[t, j] * expert_{ids[t, j]}(x[t]). Experts with few
 // rows read their weights once, in place (no gather), grouped in one pass over the threads;
-// float32 experts with many rows (prefill) go to MKL one by one.
+// experts with many rows (prefill) go to MKL one by one.
 void routed_into(const float* xp, int64_t T, int64_t D, const int64_t* idp, const float* wp, int64_t k,
                  const at::Tensor& gate_up, const at::Tensor& down, float* op) {
   const int64_t E = gate_up.size(0), I2 = gate_up.size(2), I = I2 / 2, P = T * k;
@@ -475,7 +480,9 @@ void routed_into(const float* xp, int64_t T, int64_t D, const int64_t* idp, cons
     token[s] = p / k;
     row_of[p] = s;
   }
-  const bool mkl = gate_up.scalar_type() == at::kFloat;
+  // Experts with many rows go to MKL: float32 as they are; bfloat16 widened to float32 one expert
+  // at a time where the CPU has no bfloat16 dot instructions (this kernel's tiles are not a GEMM).
+  const bool mkl = gate_up.scalar_type() == at::kFloat || !BF16_DOT;
   std::vector<int64_t> few, many;  // experts with rows, by how many
   int64_t max_rows = 1;  // of the few
   for (int64_t e = 0; e < E; ++e) {
@@ -497,7 +504,8 @@ void routed_into(const float* xp, int64_t T, int64_t D, const int64_t* idp, cons
     for (int64_t e : many) {
       const int64_t s0 = start[e], rows = start[e + 1] - s0;
       at::Tensor out_e = at::from_blob(out + s0 * N, {rows, N}, at::kFloat);
-      at::mm_out(out_e, at::from_blob(const_cast<float*>(in) + s0 * K, {rows, K}, at::kFloat), weight.select(0, e));
+      at::mm_out(out_e, at::from_blob(const_cast<float*>(in) + s0 * K, {rows, K}, at::kFloat),
+                 weight.select(0, e).to(at::kFloat));
     }
     with_weight_type(weight, [&](auto* wp) {
       using W = std::remove_cv_t<std::remove_pointer_t<decltype(wp)>>;
