@@ -149,9 +149,10 @@ def run(
             limits = Limits.measure(quick, dtype)
         b = Bench(cm, peer, plan, limits, WeightCounts.of(cm.model), log)
         results = _run_scenarios(b, SHAPE_TARGETS.get(name, TARGETS))
+        model_type = _model_type(model_dir)  # (a temporary checkpoint is gone after this block)
     run_info = {
         "shape": name,
-        "model_type": _model_type(model_dir),
+        "model_type": model_type,
         "transformers_class": type(peer).__name__,
         "dtype": str(dtype).removeprefix("torch."),
         "quick": quick,
