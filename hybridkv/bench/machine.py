@@ -2,6 +2,8 @@
 
 Limits: memory read bandwidth (a sum over a tensor far larger than the caches) and matmul
 throughput in the run's dtype (the best of a few large products), each the best of a few runs.
+Where the CPU has no bfloat16 GEMM (`ops.matmul.BF16_GEMM`), bfloat16 products run widened to
+float32, so a bfloat16 run's matmul limit is the float32 rate.
 A scenario's floor time is max(bytes it must read / bandwidth, FLOPs it must do / matmul rate);
 its fraction of the limit is floor / measured. Weights dominate both: FLOPs are 2 per active
 weight per token, bytes are the weights one step reads (attention and the delta rule add a few
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridkv.models import Qwen3NextModel
+from hybridkv.ops.matmul import BF16_GEMM
 
 
 def best_time(fn: Callable[[], object], reps: int) -> float:
@@ -45,6 +48,8 @@ class Limits:
         big = torch.ones(64 * 2**20)  # 256 MiB, 8x the L3 of these machines
         read = big.numel() * big.element_size() / best_time(big.sum, reps)
         del big
+        if dtype == torch.bfloat16 and not BF16_GEMM:
+            dtype = torch.float32
         best = 0.0
         for m, k, n in ((2048, 2048, 2048), (2048, 512, 2048), (512, 512, 4096)):
             a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
