@@ -3,6 +3,7 @@ the bookkeeping stays whole after every step."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import tempfile
@@ -21,6 +22,7 @@ from safetensors.torch import save_file
 
 from hybridkv import CacheConfig, CachedModel, CacheFull
 from hybridkv.models.gguf_checkpoint import GGUFCheckpoint, GGUFTensors
+from hybridkv.ops.quant.linear import float_activations
 
 MAX_LEN = 48
 VOCAB = 128
@@ -165,7 +167,18 @@ class Qwen35MoePrograms(CachePrograms):
 
 
 class GGUFPrograms(CachePrograms):
+    """The file's blocks multiplied in float32 throughout (`float_activations`): the cache is exact
+    against transformers; the 8-bit activation products are tests/models/test_gguf_blocks.py's."""
+
     family = "gguf_q8_0"
+
+    def __init__(self) -> None:
+        self._float = contextlib.ExitStack()
+        self._float.enter_context(float_activations())
+        super().__init__()
+
+    def teardown(self) -> None:
+        self._float.close()
 
 
 CachePrograms.TestCase.settings = _settings(30)

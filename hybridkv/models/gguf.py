@@ -393,6 +393,18 @@ class GGUFFile:
         shape = (*info.shape[:-1], t.row_bytes(info.shape[-1])) if info.shape else (info.n_bytes,)
         return np.frombuffer(buf, np.uint8, info.n_bytes, info.offset).reshape(shape)
 
+    def release(self, name: str) -> None:
+        """Drop the tensor's pages from this process (whole pages inside it): after its bytes were
+        copied, so resident memory holds the copy only; a later read maps them in again."""
+        if self._buffers is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        info = self.tensors[name]
+        page = mmap.PAGESIZE
+        start = -(-info.offset // page) * page
+        stop = (info.offset + info.n_bytes) // page * page
+        if stop > start:
+            self._buffers[info.path].madvise(mmap.MADV_DONTNEED, start, stop - start)
+
     def close(self) -> None:
         buffers, self._buffers = self._buffers, None
         for buf in (buffers or {}).values():

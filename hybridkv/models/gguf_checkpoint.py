@@ -6,15 +6,17 @@ that view of a GGUF file, so a new weight format touches neither the models nor 
     metadata  {arch}.block_count, .embedding_length, ...   ->  a config.json dict (`hf_config`)
     tensors   token_embd, blk.N.attn_qkv, ssm_a, ...       ->  model.embed_tokens.weight, ...
 
-Tensors are dequantized to float32 as they are read (at load; the quantized kernels that compute
-on the blocks directly are not here yet). What the converters changed is undone exactly:
+Tensors are dequantized to float32 as they are read; `models.gguf_blocks` keeps the projections in
+their blocks instead and reads only the rest through here. What the converters changed is undone
+exactly:
 
     norms stored as 1 + w (all but ssm_norm)        ->  w
     ssm_a = -exp(A_log)                             ->  A_log = log(-ssm_a)
     ssm_conv1d [C, K]                               ->  conv1d.weight [C, 1, K]
     qwen3next attn_qkv + attn_gate (flat q|k|v, z)  ->  in_proj_qkvz, grouped per key head
     qwen35 value heads in tiled order (head v·Hk+k) ->  grouped order (head k·r+v), in every
-                                                        tensor that has a value-head axis
+                                                        tensor that has a value-head axis (kept
+                                                        tiled with `keep_tiled`: `gguf_blocks`)
     experts ffn_{gate,up,down}_exps [E, ...]        ->  mlp.experts.gate_up_proj / down_proj (fused)
     MTP layers appended as blk.N (N >= layers)      ->  not read
 
@@ -94,11 +96,14 @@ class GGUFCheckpoint:
     """`Checkpoint`'s interface (names, shape, dtype_name, read, numel, file_of, description) over
     a GGUF file, with Hugging Face names and layouts; `hf_config` is the matching config.json."""
 
-    def __init__(self, source: GGUFSource) -> None:
+    def __init__(self, source: GGUFSource, keep_tiled: bool = False) -> None:
         self.source = source
         self.description = str(source.path)
         self.hf_config = hf_config(source)
-        self._reads: dict[str, tuple[tuple[int, ...], Read]] = _tensor_map(source, self.hf_config)
+        r = self.hf_config["linear_num_value_heads"] // self.hf_config["linear_num_key_heads"]
+        # qwen35's value heads stay in the file's tiled order (the model must read them so)
+        self.tiled = keep_tiled and self.hf_config["model_type"] != "qwen3_next" and r > 1
+        self._reads: dict[str, tuple[tuple[int, ...], Read]] = _tensor_map(source, self.hf_config, keep_tiled)
         self.file_of = dict.fromkeys(self._reads, source.path)
         if isinstance(source, GGUFTensors):  # every type the model reads is known before any is read
             layers = self.hf_config["num_hidden_layers"]
@@ -214,12 +219,16 @@ def _layer_types(metadata: Mapping[str, Any], arch: str, layers: int, kv_heads: 
 # -- tensors -----------------------------------------------------------------------------------------
 
 
-def _tensor_map(source: GGUFSource, config: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], Read]]:
+def _tensor_map(
+    source: GGUFSource, config: dict[str, Any], keep_tiled: bool = False
+) -> dict[str, tuple[tuple[int, ...], Read]]:
     names = source.tensor_names()
     c = config
     r = c["linear_num_value_heads"] // c["linear_num_key_heads"]
     Hk = c["linear_num_key_heads"]
     qwen3_next = c["model_type"] == "qwen3_next"
+    if qwen3_next or r == 1:
+        keep_tiled = False  # nothing is tiled
     where = str(source.path)
     out: dict[str, tuple[tuple[int, ...], Read]] = {}
 
@@ -244,7 +253,7 @@ def _tensor_map(source: GGUFSource, config: dict[str, Any]) -> dict[str, tuple[t
 
     def grouped(read: Read, head_dim: int, dim: int = 0) -> Read:
         """Undo qwen35's tiled value-head order along `dim` (heads of `head_dim` rows)."""
-        if qwen3_next or r == 1:
+        if qwen3_next or r == 1 or keep_tiled:
             return read
         return lambda: _untile(read(), dim, Hk, r, head_dim)
 
@@ -268,7 +277,7 @@ def _tensor_map(source: GGUFSource, config: dict[str, Any]) -> dict[str, tuple[t
             put_norm(a + "q_norm.weight", g + "attn_q_norm.weight")
             put_norm(a + "k_norm.weight", g + "attn_k_norm.weight")
         else:
-            _linear_attention(source, out, g, hf + "linear_attn.", c, grouped, raw)
+            _linear_attention(source, out, g, hf + "linear_attn.", c, grouped, raw, keep_tiled)
         m = hf + "mlp."
         if "num_experts" in c:
             _experts(source, out, g, m, raw)
@@ -286,6 +295,7 @@ def _linear_attention(
     c: dict[str, Any],
     grouped: Callable[..., Read],
     raw: Callable[[str], Read],
+    keep_tiled: bool,
 ) -> None:
     names = source.tensor_names()
     D, Hk, Hv = c["hidden_size"], c["linear_num_key_heads"], c["linear_num_value_heads"]
@@ -302,7 +312,8 @@ def _linear_attention(
         out[hf + "in_proj_ba.weight"] = ((2 * Hv, D), raw(g + "ssm_ba.weight"))
     else:
         qkv = raw(g + "attn_qkv.weight")
-        out[hf + "in_proj_qkv.weight"] = ((C, D), lambda: _untile_rows_after(qkv(), qk, Hk, r, dv))
+        untiled_qkv = qkv if keep_tiled else lambda: _untile_rows_after(qkv(), qk, Hk, r, dv)
+        out[hf + "in_proj_qkv.weight"] = ((C, D), untiled_qkv)
         out[hf + "in_proj_z.weight"] = ((Hv * dv, D), grouped(raw(g + "attn_gate.weight"), dv))
         out[hf + "in_proj_b.weight"] = ((Hv, D), grouped(raw(g + "ssm_beta.weight"), 1))
         out[hf + "in_proj_a.weight"] = ((Hv, D), grouped(raw(g + "ssm_alpha.weight"), 1))
@@ -310,10 +321,8 @@ def _linear_attention(
     if c["model_type"] == "qwen3_next":
         out[hf + "conv1d.weight"] = ((C, 1, c["linear_conv_kernel_dim"]), lambda: conv()[:, None, :])
     else:
-        out[hf + "conv1d.weight"] = (
-            (C, 1, c["linear_conv_kernel_dim"]),
-            lambda: _untile_rows_after(conv(), qk, Hk, r, dv)[:, None, :],
-        )
+        untiled = conv if keep_tiled else lambda: _untile_rows_after(conv(), qk, Hk, r, dv)
+        out[hf + "conv1d.weight"] = ((C, 1, c["linear_conv_kernel_dim"]), lambda: untiled()[:, None, :])
     ssm_a = grouped(raw(g + "ssm_a"), 1)
     out[hf + "A_log"] = ((Hv,), lambda: torch.log(-ssm_a()))
     dt = g + ("ssm_dt.bias" if g + "ssm_dt.bias" in names else "ssm_dt")  # ollama: no .bias

@@ -35,8 +35,10 @@ from hybridkv.ops.attention import paged_attention
 from hybridkv.ops.conv import causal_conv1d, causal_conv1d_step
 from hybridkv.ops.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from hybridkv.ops.dtypes import f32
-from hybridkv.ops.matmul import FEW_ROWS, mm, mm_t, swiglu
-from hybridkv.ops.moe import moe_block
+from hybridkv.ops.matmul import FEW_ROWS, Weight, linear, mm_t, swiglu
+from hybridkv.ops.moe import Experts, moe_block
+from hybridkv.ops.quant.linear import QuantExperts, QuantLinear
+from hybridkv.ops.quant.weight import QuantizedWeight
 
 
 def _weight(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -75,12 +77,15 @@ class GatedDeltaNet(nn.Module):
         self.dk, self.dv = c.linear_key_head_dim, c.linear_value_head_dim
         self.r = c.value_heads_per_key_head
         self.C = c.conv_channels
-        self.in_proj = _weight(c.hidden_size, self.C + self.Hv * self.dv + 2 * self.Hv, dtype=dtype)
+        # Value head h reads key head h // r (grouped, Hugging Face's order) or, when a GGUF file
+        # keeps llama.cpp's tiled order for qwen35, h % Hk (`models.gguf_blocks`).
+        self.tiled_heads = False
+        self.in_proj: Weight = _weight(c.hidden_size, self.C + self.Hv * self.dv + 2 * self.Hv, dtype=dtype)
         self.conv_weight = _weight(self.C, c.linear_conv_kernel_dim, dtype=dtype)
         self.A_log = _weight(self.Hv, dtype=torch.float32)
         self.dt_bias = _weight(self.Hv, dtype=torch.float32)
         self.norm = RMSNorm(self.dv, c.rms_norm_eps)  # plain x̂·w, gated by silu(z)
-        self.out_proj = _weight(self.Hv * self.dv, c.hidden_size, dtype=dtype)
+        self.out_proj: Weight = _weight(self.Hv * self.dv, c.hidden_size, dtype=dtype)
         # Per-head scale after the joint q|k L2 norm: dk^-0.5 for the Hk query heads, 1 for the keys.
         qk_scale = torch.tensor([self.dk**-0.5] * self.Hk + [1.0] * self.Hk)[:, None]
         self.qk_scale: torch.Tensor
@@ -88,14 +93,14 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         T, Hk, Hv, dk, dv = x.shape[0], self.Hk, self.Hv, self.dk, self.dv
-        mixed = mm(x, self.in_proj)
+        mixed = linear(x, self.in_proj)
         if native.enabled(mixed, self.conv_weight, self.A_log, self.dt_bias, self.norm.weight):
             o = native.gdn_forward(
                 mixed, self.conv_weight, self.A_log, self.dt_bias, self.norm.weight, self.norm.eps, Hk, dk,
                 batch.linear_pools(self.index), batch.state_slots, batch.cu_seqlens, batch.snapshot_at,
-                batch.snapshot_ids,
+                batch.snapshot_ids, self.tiled_heads,
             )  # fmt: skip
-            return mm(o.to(x.dtype), self.out_proj)
+            return linear(o.to(x.dtype), self.out_proj)
         qkv, z, b, a = mixed.split([self.C, Hv * dv, Hv, Hv], dim=-1)
         conv_state, delta_state = batch.linear_state(self.index)
 
@@ -109,9 +114,11 @@ class GatedDeltaNet(nn.Module):
 
         qk, v = y.split([2 * Hk * dk, Hv * dv], dim=-1)
         qk = _l2norm(qk.reshape(T, 2 * Hk, dk)) * self.qk_scale  # q and k heads normalised together
-        if self.r > 1:  # value head h reads key head h // r
-            qk = qk.repeat_interleave(self.r, dim=1)
-        q, k = qk[:, :Hv], qk[:, Hv:]
+        if self.r > 1 and self.tiled_heads:  # value head h reads key head h % Hk
+            q, k = qk[:, :Hk].repeat(1, self.r, 1), qk[:, Hk:].repeat(1, self.r, 1)
+        else:  # value head h reads key head h // r
+            qk = qk.repeat_interleave(self.r, dim=1) if self.r > 1 else qk
+            q, k = qk[:, :Hv], qk[:, Hv:]
         v = v.reshape(T, Hv, dv)
         g = -self.A_log.exp() * F.softplus(f32(a) + self.dt_bias)
         beta = f32(b).sigmoid()
@@ -126,7 +133,7 @@ class GatedDeltaNet(nn.Module):
         batch.store_linear_state(self.index, conv_state, delta_state, conv_snaps, delta_snaps)
 
         o = self.norm(o) * F.silu(f32(z).reshape(T, Hv, dv))
-        return mm(o.reshape(T, Hv * dv).to(x.dtype), self.out_proj)
+        return linear(o.reshape(T, Hv * dv).to(x.dtype), self.out_proj)
 
 
 class GatedAttention(nn.Module):
@@ -138,27 +145,27 @@ class GatedAttention(nn.Module):
         self.index = index  # a: this layer's number among attention layers
         self.H, self.Hkv, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.scale = self.hd**-0.5
-        self.qkv_proj = _weight(c.hidden_size, (2 * self.H + 2 * self.Hkv) * self.hd, dtype=dtype)
+        self.qkv_proj: Weight = _weight(c.hidden_size, (2 * self.H + 2 * self.Hkv) * self.hd, dtype=dtype)
         self.q_norm = RMSNorm(self.hd, c.rms_norm_eps)
         self.k_norm = RMSNorm(self.hd, c.rms_norm_eps)
-        self.o_proj = _weight(self.H * self.hd, c.hidden_size, dtype=dtype)
+        self.o_proj: Weight = _weight(self.H * self.hd, c.hidden_size, dtype=dtype)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         T, H, Hkv, hd = x.shape[0], self.H, self.Hkv, self.hd
-        qkv = mm(x, self.qkv_proj)
+        qkv = linear(x, self.qkv_proj)
         if batch.is_decode and native.enabled(qkv, self.q_norm.weight, self.k_norm.weight):
             o = native.attention_decode(
                 qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin, batch.kv_pools(self.index),
                 batch.slot_mapping, batch.block_tables, batch.kv_lens, self.scale, H,
             )  # fmt: skip
-            return mm(o.to(x.dtype), self.o_proj)
+            return linear(o.to(x.dtype), self.o_proj)
         q, gate, k, v = qkv.split([H * hd, H * hd, Hkv * hd, Hkv * hd], dim=-1)
         q = _rope(self.q_norm(q.reshape(T, H, hd)), cos, sin)
         k = _rope(self.k_norm(k.reshape(T, Hkv, hd)), cos, sin)
         batch.store_kv(self.index, k, v.reshape(T, Hkv, hd))
         k_pool, v_pool = batch.kv_pools(self.index)
         o = paged_attention(q, k_pool, v_pool, batch.block_tables, batch.cu_seqlens, batch.kv_lens, self.scale)
-        return mm(o.reshape(T, H * hd) * torch.sigmoid(gate), self.o_proj)
+        return linear(o.reshape(T, H * hd) * torch.sigmoid(gate), self.o_proj)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -178,10 +185,10 @@ class SparseMoE(nn.Module):
         c = config
         E, D, I, Is = c.num_experts, c.hidden_size, c.moe_intermediate_size, c.shared_expert_intermediate_size
         self.E, self.Is, self.top_k, self.norm_topk_prob = E, Is, c.num_experts_per_tok, c.norm_topk_prob
-        self.gate_in = _weight(D, E + 1 + 2 * Is, dtype=dtype)  # router | shared gate | shared gate_up
-        self.gate_up = _weight(E, D, 2 * I, dtype=dtype)
-        self.down = _weight(E, I, D, dtype=dtype)
-        self.shared_down = _weight(Is, D, dtype=dtype)
+        self.gate_in: Weight = _weight(D, E + 1 + 2 * Is, dtype=dtype)  # router | shared gate | shared gate_up
+        self.gate_up: Experts = _weight(E, D, 2 * I, dtype=dtype)
+        self.down: Experts = _weight(E, I, D, dtype=dtype)
+        self.shared_down: Weight = _weight(Is, D, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return moe_block(x, self.gate_in, self.gate_up, self.down, self.shared_down, self.top_k, self.norm_topk_prob)
@@ -192,8 +199,8 @@ class DenseMLP(nn.Module):
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
-        self.gate_up = _weight(config.hidden_size, 2 * config.intermediate_size, dtype=dtype)
-        self.down = _weight(config.intermediate_size, config.hidden_size, dtype=dtype)
+        self.gate_up: Weight = _weight(config.hidden_size, 2 * config.intermediate_size, dtype=dtype)
+        self.down: Weight = _weight(config.intermediate_size, config.hidden_size, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return swiglu(x, self.gate_up, self.down)
@@ -233,10 +240,11 @@ class Qwen3NextModel(nn.Module):
         if dtype not in COMPUTE_DTYPES:
             raise ValueError(f"compute dtype {dtype} not supported; use torch.float32 or torch.bfloat16")
         self.config, self.dtype = config, dtype
-        self.embed = _weight(config.vocab_size, config.hidden_size, dtype=dtype)
+        # [V, D]; a GGUF model may keep it in the file's blocks (rows dequantized as they are looked up)
+        self.embed: torch.Tensor | QuantizedWeight = _weight(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = (  # [D, V]; a tied model multiplies by the embedding [V, D] instead
+        self.lm_head: Weight | None = (  # [D, V]; a tied model multiplies by the embedding [V, D] instead
             None if config.tie_word_embeddings else _weight(config.hidden_size, config.vocab_size, dtype=dtype)
         )
         rd = config.rotary_dim
@@ -254,7 +262,7 @@ class Qwen3NextModel(nn.Module):
         """
         if input_ids.shape != (batch.num_tokens,):
             raise ValueError(f"input_ids has shape {list(input_ids.shape)}, the batch has {batch.num_tokens} tokens")
-        x = F.embedding(input_ids, self.embed)
+        x = _embedding(input_ids, self.embed, self.dtype)
         if batch.is_decode and x.dtype != torch.float32 and batch.num_tokens <= FEW_ROWS and native.enabled(x):
             # A decode step runs on the C++ kernels, which compute in float32 whatever the weights:
             # keep the activations float32 rather than cast them down and back up around every call.
@@ -268,8 +276,29 @@ class Qwen3NextModel(nn.Module):
             x = x.index_select(0, logits_indices)
         x = self.norm(x)
         # A tied head multiplies by the embedding [V, D] as stored: `mm_t` reads it once per step.
-        logits = mm_t(x, self.embed) if self.lm_head is None else mm(x, self.lm_head)
+        if self.lm_head is not None:
+            logits = linear(x, self.lm_head)
+        elif isinstance(self.embed, QuantizedWeight):
+            logits = QuantLinear((self.embed,)).matmul(x)
+        else:
+            logits = mm_t(x, self.embed)
         return logits.float()
+
+    def weight_sizes(self) -> tuple[int, int]:
+        """(parameters, bytes) of the weights as held: a file's blocks count their bytes."""
+        held: list[torch.Tensor | QuantizedWeight | QuantLinear | QuantExperts] = list(self.parameters())
+        for module in self.modules():
+            held += [v for v in vars(module).values() if isinstance(v, (QuantizedWeight, QuantLinear, QuantExperts))]
+        numel = sum(w.numel() for w in held)
+        nbytes = sum(w.blocks.nbytes if isinstance(w, QuantizedWeight) else w.nbytes for w in held)
+        return numel, nbytes
+
+
+def _embedding(ids: torch.Tensor, embed: torch.Tensor | QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(embed, QuantizedWeight):  # the looked-up rows only
+        rows = QuantizedWeight(embed.blocks.index_select(0, ids), embed.btype, (ids.shape[0], embed.shape[1]))
+        return rows.dequantize().to(dtype)
+    return F.embedding(ids, embed)
 
 
 # -- checkpoint mapping: the one place that knows Hugging Face names and layouts -----------------

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from hybridkv.models import qwen3_5, qwen3_next
+from hybridkv.models import gguf_blocks, qwen3_5, qwen3_next
 from hybridkv.models.config import ModelConfig
 from hybridkv.models.gguf_checkpoint import GGUFCheckpoint, GGUFTensors
 from hybridkv.models.qwen3_next import Qwen3NextModel
@@ -45,12 +45,13 @@ FAMILIES: dict[str, Family] = {
 }
 
 
-def read_checkpoint(model_dir: str | Path) -> tuple[ModelConfig, TensorSource]:
+def read_checkpoint(model_dir: str | Path, keep_tiled: bool = False) -> tuple[ModelConfig, TensorSource]:
     """The config (as the files have it) and the tensors of a checkpoint directory, or of a GGUF
-    file (the first of a split set), seen as the Hugging Face checkpoint it was converted from."""
+    file (the first of a split set), seen as the Hugging Face checkpoint it was converted from
+    (`keep_tiled`: qwen35's value heads in the file's order, see `gguf_blocks`)."""
     checkpoint: TensorSource
     if Path(model_dir).is_file():
-        checkpoint = GGUFCheckpoint(GGUFTensors(model_dir))
+        checkpoint = GGUFCheckpoint(GGUFTensors(model_dir), keep_tiled)
         config = ModelConfig.from_dict(checkpoint.hf_config, source=str(model_dir))
     else:
         config = ModelConfig.from_dir(model_dir)
@@ -58,20 +59,41 @@ def read_checkpoint(model_dir: str | Path) -> tuple[ModelConfig, TensorSource]:
     return FAMILIES[config.family].for_checkpoint(config, checkpoint.names), checkpoint
 
 
-def weights_nbytes(model_dir: str | Path, dtype: torch.dtype) -> int:
+def weights_nbytes(model_dir: str | Path, dtype: torch.dtype, keep_blocks: bool = True) -> int:
     """Bytes the weights a model loads from `model_dir` (a directory or a GGUF file) occupy once
-    cast to `dtype`."""
+    loaded: cast to `dtype`, except a GGUF file's tensors kept in their blocks (`keep_blocks`)."""
     config, checkpoint = read_checkpoint(model_dir)
     family = FAMILIES[config.family]
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return sum(checkpoint.numel(name) * itemsize for name in checkpoint.names if not family.is_ignored(config, name))
+    total = sum(checkpoint.numel(name) * itemsize for name in checkpoint.names if not family.is_ignored(config, name))
+    if keep_blocks and isinstance(checkpoint, GGUFCheckpoint) and isinstance(checkpoint.source, GGUFTensors):
+        tensors = checkpoint.source.file.tensors
+        for pieces in gguf_blocks.block_layout(checkpoint.source, config).values():
+            for info in (tensors[p.name] for p in pieces):
+                if gguf_blocks.kept_in_blocks(info.type_id):
+                    total -= info.n_elements * itemsize - info.n_bytes
+    return total
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Qwen3NextModel:
-    """Build the model of a Hugging Face checkpoint directory or a GGUF file, weights cast to `dtype`."""
-    config, checkpoint = read_checkpoint(model_dir)
+def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, keep_blocks: bool = True) -> Qwen3NextModel:
+    """Build the model of a Hugging Face checkpoint directory or a GGUF file, weights cast to `dtype`.
+
+    A GGUF file's projections stay in their blocks where the type has a kernel (`gguf_blocks`);
+    `keep_blocks=False` dequantizes everything at load instead.
+    """
+    config, checkpoint = read_checkpoint(model_dir, keep_tiled=keep_blocks)
     family = FAMILIES[config.family]
     model = family.model_class(config, dtype)
     layout = family.checkpoint_layout(config, checkpoint.names)
-    load_weights(dict(model.named_parameters()), layout, checkpoint, lambda name: family.is_ignored(config, name))
+    params: dict[str, torch.Tensor] = dict(model.named_parameters())
+    held: set[str] = set()
+    if keep_blocks and isinstance(checkpoint, GGUFCheckpoint) and isinstance(checkpoint.source, GGUFTensors):
+        replaced = gguf_blocks.attach(model, checkpoint.source, config, dtype)
+        held = {piece.name for name in replaced for piece in layout.pop(name)}
+        params = {name: p for name, p in params.items() if name not in replaced}
+    if isinstance(checkpoint, GGUFCheckpoint) and checkpoint.tiled:
+        for layer in model.layers:
+            if isinstance(layer.mixer, qwen3_next.GatedDeltaNet):
+                layer.mixer.tiled_heads = True
+    load_weights(params, layout, checkpoint, lambda name: family.is_ignored(config, name) or name in held)
     return model.eval()

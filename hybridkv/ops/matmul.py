@@ -9,6 +9,8 @@ weight widened a block of columns at a time (~140 GFLOP/s on the same 2-core Zen
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 
@@ -72,12 +74,26 @@ def mm_t(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x.to(w.dtype), w).float()
 
 
+class Projection(Protocol):
+    """A weight held some other way than a float tensor (`ops.quant.linear.QuantLinear`)."""
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+Weight = torch.Tensor | Projection
+
+
+def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
+    """x [T, D] @ W → [T, N] in x's dtype, for W a float tensor [D, N] (`mm`) or a `Projection`."""
+    return mm(x, w) if isinstance(w, torch.Tensor) else w.matmul(x)
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) · up for gate_up [..., 2I] holding gate columns first."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
-def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+def swiglu(x: torch.Tensor, gate_up: Weight, down: Weight) -> torch.Tensor:
     """SwiGLU feed-forward with transposed weights: gate_up [D, 2I] gate columns first, down [I, D]."""
-    return mm(silu_mul(mm(x, gate_up)), down)
+    return linear(silu_mul(linear(x, gate_up)), down)

@@ -7,15 +7,18 @@ import torch
 import torch.nn.functional as F
 
 from hybridkv.ops import native
-from hybridkv.ops.matmul import BF16_GEMM, FEW_ROWS, mm, silu_mul, swiglu
+from hybridkv.ops.matmul import BF16_GEMM, FEW_ROWS, Weight, linear, silu_mul, swiglu
+from hybridkv.ops.quant.linear import QuantExperts
+
+Experts = torch.Tensor | QuantExperts
 
 
 def moe_block(
     x: torch.Tensor,
-    gate_in: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    shared_down: torch.Tensor,
+    gate_in: Weight,
+    gate_up: Experts,
+    down: Experts,
+    shared_down: Weight,
     top_k: int,
     norm_topk: bool,
 ) -> torch.Tensor:
@@ -26,25 +29,33 @@ def moe_block(
     runs in float32; with norm_topk the chosen k probabilities are renormalised to sum to 1. It runs
     as one C++ kernel for few tokens (decode) and for float32 weights (prefill: the kernel sorts,
     gathers and scatters, MKL multiplies); bfloat16 prefill keeps PyTorch's bfloat16 GEMMs where
-    they are fast (`matmul.BF16_GEMM`), else the kernel widens each expert for MKL.
+    they are fast (`matmul.BF16_GEMM`), else the kernel widens each expert for MKL. Weights kept
+    in a file's blocks (`QuantLinear`, `QuantExperts`) run the PyTorch path on their own products.
     """
-    kernel_multiplies = x.shape[0] <= FEW_ROWS or gate_up.dtype == torch.float32 or not BF16_GEMM
-    if kernel_multiplies and native.enabled(x, gate_in, gate_up, down, shared_down):
+    if (
+        isinstance(gate_in, torch.Tensor)
+        and isinstance(gate_up, torch.Tensor)
+        and isinstance(down, torch.Tensor)
+        and isinstance(shared_down, torch.Tensor)
+        and (x.shape[0] <= FEW_ROWS or gate_up.dtype == torch.float32 or not BF16_GEMM)
+        and native.enabled(x, gate_in, gate_up, down, shared_down)
+    ):
         y = native.moe_block(x, gate_in, gate_up, down, shared_down, top_k, norm_topk)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
-    E, Is = gate_up.shape[0], shared_down.shape[0]
-    router, shared_gate, shared_gate_up = mm(x, gate_in).split([E, 1, 2 * Is], dim=-1)
+    E = gate_up.shape[0] if isinstance(gate_up, torch.Tensor) else gate_up.num_experts
+    logits = linear(x, gate_in)
+    router, shared_gate, shared_gate_up = logits.split([E, 1, logits.shape[-1] - E - 1], dim=-1)
     probs = F.softmax(router, dim=-1, dtype=torch.float32)
     weights, experts = probs.topk(top_k, dim=-1)  # [T, k]
     if norm_topk:
         weights = weights / weights.sum(-1, keepdim=True)
     routed = routed_experts(x, experts, weights, gate_up, down)
-    shared = mm(silu_mul(shared_gate_up), shared_down)
+    shared = linear(silu_mul(shared_gate_up), shared_down)
     return routed + shared * torch.sigmoid(shared_gate)
 
 
 def routed_experts(
-    x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+    x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: Experts, down: Experts
 ) -> torch.Tensor:
     """out[t] = Σ_j weights[t, j] · expert_{experts[t, j]}(x[t]); [T, D] in x's dtype.
 
@@ -52,9 +63,12 @@ def routed_experts(
     first), down [E, I, D]. The (token, expert) pairs are sorted by expert and each expert runs one
     SwiGLU over its contiguous run of rows (torch._grouped_mm is slower on CPU: its per-group
     products run on one thread), then a weighted scatter-add brings them back to their tokens.
+    Experts in a file's blocks (`QuantExperts`) run the same loop on each expert's block products.
     """
     top_k = experts.shape[1]
     weights = weights.to(x.dtype)
+    if isinstance(gate_up, QuantExperts) or isinstance(down, QuantExperts):
+        return _routed_loop(x, experts, weights, gate_up, down)
     if x.shape[0] == 1:
         # One token: copy its k experts' weights side by side (a copy streams on every thread), then
         # one bmm per product; measured as fast as a k-split matmul pair per expert, in fewer ops.
@@ -62,14 +76,26 @@ def routed_experts(
         h = torch.bmm(x.expand(top_k, 1, x.shape[1]), gate_up.index_select(0, ids))
         y = torch.bmm(silu_mul(h), down.index_select(0, ids))  # [k, 1, D]
         return weights @ y[:, 0]
+    return _routed_loop(x, experts, weights, gate_up, down)
+
+
+def _expert(w: Experts, e: int) -> Weight:
+    return w.expert(e) if isinstance(w, QuantExperts) else w[e]
+
+
+def _routed_loop(
+    x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: Experts, down: Experts
+) -> torch.Tensor:
+    top_k = experts.shape[1]
+    E = gate_up.shape[0] if isinstance(gate_up, torch.Tensor) else gate_up.num_experts
     sorted_experts, order = experts.flatten().sort(stable=True)
     token = order // top_k
     xs = x.index_select(0, token)
     ys = torch.empty_like(xs)
     start = 0
-    for e, n in enumerate(torch.bincount(sorted_experts, minlength=gate_up.shape[0]).tolist()):
+    for e, n in enumerate(torch.bincount(sorted_experts, minlength=E).tolist()):
         if n:
-            ys[start : start + n] = swiglu(xs[start : start + n], gate_up[e], down[e])
+            ys[start : start + n] = swiglu(xs[start : start + n], _expert(gate_up, e), _expert(down, e))
             start += n
     ys = ys * weights.flatten().index_select(0, order)[:, None]
     return torch.zeros_like(x).index_add_(0, token, ys)

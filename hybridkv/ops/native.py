@@ -141,6 +141,7 @@ def gdn_forward(
     cu_seqlens: torch.Tensor,
     snapshot_at: torch.Tensor,
     snapshot_ids: torch.Tensor,
+    tiled: bool = False,
 ) -> torch.Tensor:
     """A Gated DeltaNet mixer after in_proj over a packed batch (prefill or decode), the delta rule
     run token by token (on a CPU faster than the chunked form: a head's state stays in L1).
@@ -149,7 +150,8 @@ def gdn_forward(
     [Hv]; norm_weight [dv]; pools = (conv [slots, C, K-1], delta [slots, Hv, dk, dv], snap_conv,
     snap_delta), all float32; slots [N] and cu_seqlens [N+1] as in `ForwardBatch`. Updates
     conv[slots[n]] and delta[slots[n]] in place; the states after token snapshot_at[i] (ascending)
-    go to row snapshot_ids[i] of the snapshot pools.
+    go to row snapshot_ids[i] of the snapshot pools. Value head h reads key head h // (Hv/Hk), or
+    h % Hk when `tiled` (llama.cpp's qwen35 order).
     Returns RMSNorm(o)·silu(z) [T, Hv·dv] float32, o being the delta rule's read-out.
     """
     conv, delta, snap_conv, snap_delta = pools
@@ -170,6 +172,7 @@ def gdn_forward(
         snap_delta,
         snapshot_at,
         snapshot_ids,
+        tiled,
     )
 
 

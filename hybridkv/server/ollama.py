@@ -380,11 +380,11 @@ def _details(state: Any) -> dict[str, Any]:
 
 
 def _parameter_count(state: Any) -> int:
-    return sum(p.numel() for p in state.llm.cm.model.parameters())
+    return int(state.llm.cm.model.weight_sizes()[0])
 
 
 def _size(state: Any) -> int:
-    return sum(p.numel() * p.element_size() for p in state.llm.cm.model.parameters())
+    return int(state.llm.cm.model.weight_sizes()[1])
 
 
 def _digest(state: Any) -> str:

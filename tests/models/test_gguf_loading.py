@@ -19,6 +19,7 @@ from tiny import TinyCache
 from hybridkv.errors import NotSupported
 from hybridkv.models import load_model, read_checkpoint, weights_nbytes
 from hybridkv.models.gguf_checkpoint import GGUFCheckpoint, GGUFTensors
+from hybridkv.ops.quant.linear import float_activations
 
 DATA = Path(__file__).parent.parent / "data" / "gguf"
 MODELS = {"qwen3next-tiny": "qwen3_next", "qwen35-tiny": "qwen3_5", "qwen35moe-tiny": "qwen3_5"}
@@ -58,13 +59,16 @@ def dequantized_checkpoint(gguf_path: Path, out: Path) -> Path:
     ["qwen3next-tiny-q8_0.gguf", "qwen3next-tiny-bf16.gguf", "qwen35-tiny-q8_0.gguf", "qwen35moe-tiny-q8_0.gguf"],
 )
 def test_a_quantized_file_gives_transformers_logits_on_its_dequantized_weights(file, tmp_path):
-    model = load_model(DATA / file)
+    """Its blocks multiplied in float32 (`float_activations`; the 8-bit activation products are
+    `test_gguf_blocks`'), and everything dequantized at load."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(dequantized_checkpoint(DATA / file, tmp_path)).eval()
     tokens, original = golden(file.rsplit("-", 1)[0])
     with torch.no_grad():
         want = hf(input_ids=torch.tensor([tokens]), use_cache=False).logits[0].float()
-    ours = run(model, tokens)
+    with float_activations():
+        ours = run(load_model(DATA / file), tokens)
     assert_close(ours, want)
+    assert_close(run(load_model(DATA / file, keep_blocks=False), tokens), want)
     # and near the float model (a tiny random model has small margins: 8-bit rounding flips a few)
     assert (ours.argmax(-1) == original.argmax(-1)).float().mean() >= 0.6
 

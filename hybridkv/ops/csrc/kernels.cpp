@@ -684,7 +684,7 @@ at::Tensor gdn_forward(const at::Tensor& mixed_in, const at::Tensor& conv_weight
                        const at::Tensor& dt_bias, const at::Tensor& norm_weight, double eps, int64_t Hk, int64_t dk,
                        at::Tensor conv_pool, at::Tensor delta_pool, const at::Tensor& slots_in,
                        const at::Tensor& cu_seqlens_in, at::Tensor snap_conv, at::Tensor snap_delta,
-                       const at::Tensor& snap_tokens_in, const at::Tensor& snap_ids_in) {
+                       const at::Tensor& snap_tokens_in, const at::Tensor& snap_ids_in, bool tiled) {
   const int64_t T = mixed_in.size(0), Hv = A_log.size(0), dv = norm_weight.size(0);
   const int64_t C = conv_weight_in.size(0), K = conv_weight_in.size(1), r = Hv / Hk;
   TORCH_CHECK(Hk >= 1 && Hv % Hk == 0 && K >= 1, "gdn_forward: Hv (", Hv, ") must be a multiple of Hk (", Hk, ")");
@@ -782,14 +782,14 @@ at::Tensor gdn_forward(const at::Tensor& mixed_in, const at::Tensor& conv_weight
   at::parallel_for(0, N * Hv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> u(dv), o(dv);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t n = item / Hv, h = item % Hv;
+      const int64_t n = item / Hv, h = item % Hv, key_head = tiled ? h % Hk : h / r;
       float* Sh = dp + ((slot[n] * Hv) + h) * dk * dv;  // [dk, dv]
       const float a_scale = -std::exp(alp[h]);
       int64_t p = first_snapshot(cup[n]);
       for (int64_t t = cup[n]; t < cup[n + 1]; ++t) {
         const float* x = mp + t * W;
-        const float* q = yp + t * C + (h / r) * dk;
-        const float* k = yp + t * C + (Hk + h / r) * dk;
+        const float* q = yp + t * C + key_head * dk;
+        const float* k = yp + t * C + (Hk + key_head) * dk;
         const float* v = yp + t * C + 2 * Hk * dk + h * dv;
         const float beta = sigmoid(x[C + Hv * dv + h]);
         const float decay = std::exp(a_scale * softplus(x[C + Hv * dv + Hv + h] + bp[h]));
@@ -998,7 +998,7 @@ TORCH_LIBRARY(hybridkv, m) {
   m.def(
       "gdn_forward(Tensor mixed, Tensor conv_weight, Tensor A_log, Tensor dt_bias, Tensor norm_weight, float eps, "
       "int Hk, int dk, Tensor(a!) conv_pool, Tensor(b!) delta_pool, Tensor slots, Tensor cu_seqlens, "
-      "Tensor(c!) snap_conv, Tensor(d!) snap_delta, Tensor snap_tokens, Tensor snap_ids) -> Tensor");
+      "Tensor(c!) snap_conv, Tensor(d!) snap_delta, Tensor snap_tokens, Tensor snap_ids, bool tiled) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def(
       "attention_decode(Tensor qkv, Tensor q_norm, Tensor k_norm, float eps, Tensor cos, Tensor sin, "

@@ -41,6 +41,12 @@ class QuantizedWeight:
             shape = (*blocks.shape[:-1], t.row_elems(blocks.shape[-1]))
         return cls(blocks, t, tuple(shape))
 
+    def numel(self) -> int:
+        n = 1
+        for size in self.shape:
+            n *= size
+        return n
+
     @property
     def bits_per_weight(self) -> float:
         return 8 * self.btype.block_bytes / self.btype.block_elems

@@ -1,0 +1,158 @@
+"""Projections whose weights stay in the file's blocks: what a model built from a GGUF file holds.
+
+A model's projection is `x @ W` with W stored [in, out] as a float tensor (`ops.matmul.mm`), or a
+`QuantLinear`: the same product with W's output features split into parts, each either the file's
+blocks (`QuantizedWeight` [out_i, in], multiplied on the blocks) or a float tensor [in, out_i] for
+parts whose type has no block kernel (dequantized once at load). Parts are what a fused projection
+is made of when its tensors differ in type (a Q4_K_M file keeps a few tensors in Q6_K or F32).
+`QuantExperts` is the same per expert, on [E, out_i, in] blocks.
+
+Up to FEW_ROWS activation rows (decode) a block part runs its type's integer kernel (the
+activation row quantized to 8-bit blocks once, llama.cpp's scheme); more rows (prefill) dequantize
+the weight a tile of rows at a time into a float32 GEMM. `float_activations()` makes every product
+dequantize-and-multiply: the float reference the tests compare the integer paths against.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from hybridkv.ops.matmul import mm
+from hybridkv.ops.quant.int8_dot import FEW_ROWS
+from hybridkv.ops.quant.weight import QuantizedWeight
+
+# Rows of a weight dequantized at once for a many-row product: bounds the float32 copy (16 MiB at
+# 1024 features) while each tile is a GEMM large enough for MKL.
+TILE_ROWS = 4096
+_mode = threading.local()
+
+
+@contextlib.contextmanager
+def float_activations() -> Iterator[None]:
+    """Within this block every block product dequantizes its weight and multiplies in float32."""
+    before = getattr(_mode, "float", False)
+    _mode.float = True
+    try:
+        yield
+    finally:
+        _mode.float = before
+
+
+def block_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """x [T, in] @ Wᵀ for a 2-D block weight → [T, out] float32: the type's integer kernel for few
+    rows, else the weight dequantized a tile of rows at a time into a float32 GEMM."""
+    if x.shape[0] <= FEW_ROWS and w.btype.matmul is not None and not getattr(_mode, "float", False):
+        return w.btype.matmul(x.float(), w.blocks.contiguous())
+    x32 = x.float()
+    out = torch.empty(x.shape[0], w.shape[0])
+    for n in range(0, w.shape[0], TILE_ROWS):
+        tile = QuantizedWeight(w.blocks[n : n + TILE_ROWS], w.btype, (min(TILE_ROWS, w.shape[0] - n), w.shape[1]))
+        out[:, n : n + tile.shape[0]] = F.linear(x32, tile.dequantize())
+    return out
+
+
+Part = QuantizedWeight | torch.Tensor
+
+
+def _part_out(part: Part) -> int:
+    return part.shape[-2] if isinstance(part, QuantizedWeight) else part.shape[-1]
+
+
+def _part_nbytes(part: Part) -> int:
+    return part.blocks.nbytes if isinstance(part, QuantizedWeight) else part.nbytes
+
+
+def _part_numel(part: Part) -> int:
+    n = 1
+    for size in part.shape:
+        n *= size
+    return n
+
+
+@dataclass(frozen=True, slots=True)
+class QuantLinear:
+    """x @ W for W [in, out] held as `parts` along out: each a `QuantizedWeight` [out_i, in] or a
+    float tensor [in, out_i] (applied with `ops.matmul.mm`)."""
+
+    parts: tuple[Part, ...]
+
+    def __post_init__(self) -> None:
+        ins = {p.shape[-1] if isinstance(p, QuantizedWeight) else p.shape[0] for p in self.parts}
+        if not self.parts or len(ins) != 1 or any(p.dim() != 2 for p in self.parts if isinstance(p, torch.Tensor)):
+            raise ValueError(f"a projection's parts must share their input features, got {self.shapes}")
+
+    @property
+    def shapes(self) -> list[tuple[int, ...]]:
+        return [tuple(p.shape) for p in self.parts]
+
+    @property
+    def in_features(self) -> int:
+        p = self.parts[0]
+        return p.shape[-1] if isinstance(p, QuantizedWeight) else p.shape[0]
+
+    @property
+    def out_features(self) -> int:
+        return sum(_part_out(p) for p in self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_part_nbytes(p) for p in self.parts)
+
+    def numel(self) -> int:
+        return sum(_part_numel(p) for p in self.parts)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] @ W → [T, out] in x's dtype."""
+        ys = [block_matmul(x, p) if isinstance(p, QuantizedWeight) else mm(x, p) for p in self.parts]
+        y = ys[0] if len(ys) == 1 else torch.cat([y.float() for y in ys], dim=-1)
+        return y.to(x.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        """W [in, out] as float32: the reference."""
+        return torch.cat([p.dequantize().T if isinstance(p, QuantizedWeight) else p.float() for p in self.parts], 1)
+
+
+@dataclass(frozen=True, slots=True)
+class QuantExperts:
+    """E experts' projections x @ W_e, W_e [in, out], held as `parts` along out: each a
+    `QuantizedWeight` [E, out_i, in] or a float tensor [E, in, out_i]; `expert(e)` is expert e's."""
+
+    parts: tuple[Part, ...]
+
+    @property
+    def num_experts(self) -> int:
+        return self.parts[0].shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_part_nbytes(p) for p in self.parts)
+
+    def numel(self) -> int:
+        return sum(_part_numel(p) for p in self.parts)
+
+    def expert(self, e: int) -> QuantLinear:
+        parts = (
+            QuantizedWeight(p.blocks[e], p.btype, p.shape[1:]) if isinstance(p, QuantizedWeight) else p[e]
+            for p in self.parts
+        )
+        return QuantLinear(tuple(parts))
+
+
+def quant_parts(parts: Sequence[Part]) -> tuple[Part, ...]:
+    """`parts` with neighbouring block parts of one type joined (one kernel call instead of two);
+    joining copies them, so only parts already copied at load should be passed together."""
+    out: list[Part] = []
+    for p in parts:
+        last = out[-1] if out else None
+        if isinstance(p, QuantizedWeight) and isinstance(last, QuantizedWeight) and last.btype is p.btype:
+            blocks = torch.cat([last.blocks, p.blocks], dim=-2)
+            out[-1] = QuantizedWeight(blocks, p.btype, (*p.shape[:-2], last.shape[-2] + p.shape[-2], p.shape[-1]))
+        else:
+            out.append(p)
+    return tuple(out)

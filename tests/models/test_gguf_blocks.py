@@ -1,0 +1,116 @@
+"""A GGUF model computes on the file's blocks: which weights stay blocks, and that the 8-bit
+activation products inside a whole model are exactly llama.cpp's scheme (the activations rounded
+to 8-bit blocks, then exact products). The float mapping is test_gguf_loading's (against
+transformers) and the cache's is test_cache_programs' GGUF programs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_gguf_loading import DATA, golden, run
+
+import hybridkv.ops.quant.linear as quant_linear
+from hybridkv.models import load_model, weights_nbytes
+from hybridkv.models.qwen3_next import GatedDeltaNet
+from hybridkv.ops.quant import QuantizedWeight
+from hybridkv.ops.quant.int8_dot import FEW_ROWS, quantize_rows_q8
+from hybridkv.ops.quant.k_dot import quantize_rows_q8_k
+from hybridkv.ops.quant.linear import QuantExperts, QuantLinear, float_activations
+
+Q8_FILES = ["qwen3next-tiny-q8_0.gguf", "qwen35-tiny-q8_0.gguf", "qwen35moe-tiny-q8_0.gguf"]
+
+
+def test_projections_embedding_and_experts_stay_in_the_files_blocks():
+    model = load_model(DATA / "qwen35moe-tiny-q8_0.gguf")
+    assert isinstance(model.embed, QuantizedWeight) and model.embed.btype.name == "Q8_0"
+    layer = model.layers[0]
+    assert isinstance(layer.mixer, GatedDeltaNet) and layer.mixer.tiled_heads  # qwen35, Hv = 2·Hk
+    for w in (layer.mixer.in_proj, layer.mixer.out_proj, model.lm_head):
+        assert isinstance(w, QuantLinear) and any(isinstance(p, QuantizedWeight) for p in w.parts)
+    # the converter wrote ffn_down_shexp (rows of 48) in F16: no block kernel, a float parameter
+    assert isinstance(layer.ffn.shared_down, torch.nn.Parameter)
+    assert isinstance(layer.ffn.gate_up, QuantExperts) and isinstance(layer.ffn.down, QuantExperts)
+    # the router is F32 in the file: a float part beside the shared expert's blocks
+    assert {type(p) for p in layer.ffn.gate_in.parts} == {torch.Tensor, QuantizedWeight}
+    assert not [n for n, _ in model.named_parameters() if n.endswith(("in_proj", "gate_up", ".down", "embed"))]
+    # the memory check counts what is held, to the byte
+    numel, nbytes = model.weight_sizes()
+    assert weights_nbytes(DATA / "qwen35moe-tiny-q8_0.gguf", torch.float32) == nbytes
+    assert nbytes < 0.45 * 4 * numel  # mostly 8.5 bits a weight, not 32
+    assert load_model(DATA / "qwen35moe-tiny-q8_0.gguf", keep_blocks=False).weight_sizes() == (numel, 4 * numel)
+
+
+def emulated(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """What an integer product computes: x rounded to the activation blocks its type pairs with
+    (Q8_0: blocks of 32; K-quants: Q8_K super-blocks of 256), times the dequantized weight."""
+    if x.shape[0] > FEW_ROWS:
+        with float_activations():
+            return quant_linear.block_matmul(x, w)
+    T = x.shape[0]
+    if w.btype.block_elems == 32:
+        q = quantize_rows_q8(x.float())
+        xr = (q.q.float().view(T, -1, 32) * q.d[..., None]).view(T, -1)
+    else:
+        k = quantize_rows_q8_k(x.float())
+        xr = (k.q.float().view(T, -1, 256) * k.d[..., None]).view(T, -1)
+    return xr.double().matmul(w.dequantize().double().T).float()
+
+
+@pytest.mark.parametrize("file", Q8_FILES)
+def test_whole_models_8bit_products_are_the_activation_rounding_and_nothing_else(file, monkeypatch):
+    tokens, _ = golden(file.rsplit("-", 1)[0])
+    model = load_model(DATA / file)
+    ours = run(model, tokens)
+    monkeypatch.setattr(quant_linear, "block_matmul", emulated)
+    want = run(model, tokens)
+    assert (ours - want).abs().max() <= 1e-5 * want.abs().max()
+    with float_activations():
+        exact = run(model, tokens)
+    # 8-bit activations move this tiny random model's logits by a few percent, never more
+    assert 0 < (ours - exact).abs().max() <= 0.15 * exact.abs().max()
+
+
+def test_a_projection_of_mixed_parts_multiplies_each_on_its_own_kind(monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+    K = 512
+    parts = []
+    for type_id, n in ((8, 5), (12, 7), (14, 3)):  # Q8_0, Q4_K, Q6_K
+        w = torch.randn(n, K, generator=gen)
+        parts.append(random_blocks(w, type_id, gen))
+    parts.insert(1, torch.randn(K, 4, generator=gen))  # a float part [in, out]
+    proj = QuantLinear(tuple(parts))
+    assert (proj.in_features, proj.out_features) == (K, 19)
+    for T in (1, 3, FEW_ROWS + 5):
+        x = torch.randn(T, K, generator=gen)
+        want = torch.cat([emulated(x, p) if isinstance(p, QuantizedWeight) else x @ p for p in parts], 1)
+        got = proj.matmul(x)
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+    # many rows: the weight dequantized a tile at a time, tiles joined in order
+    monkeypatch.setattr(quant_linear, "TILE_ROWS", 2)
+    x = torch.randn(FEW_ROWS + 1, K, generator=gen)
+    assert torch.allclose(proj.matmul(x), x @ proj.dequantize(), rtol=1e-5, atol=1e-4)
+
+
+def random_blocks(w: torch.Tensor, type_id: int, gen: torch.Generator) -> QuantizedWeight:
+    """Valid random blocks of `type_id` for a weight of w's shape (gguf-py quantizes Q8_0; K-quant
+    blocks get random bytes with small finite scales)."""
+    from gguf import GGMLQuantizationType, quants
+
+    if type_id == 8:
+        data = quants.quantize(w.numpy(), GGMLQuantizationType.Q8_0)
+        return QuantizedWeight.of(torch.from_numpy(data), type_id)
+    bytes_per = {12: 144, 14: 210}[type_id]
+    nb = w.shape[1] // 256
+    raw = torch.randint(0, 256, (w.shape[0], nb, bytes_per), generator=gen, dtype=torch.uint8)
+    d = (torch.rand(w.shape[0], nb, 2 if type_id == 12 else 1, generator=gen) * 1e-2).half().view(torch.uint8)
+    at = 0 if type_id == 12 else 208
+    raw[..., at : at + d.shape[-1]] = d
+    return QuantizedWeight.of(raw.reshape(w.shape[0], -1), type_id)
+
+
+def test_bfloat16_compute_on_blocks_tracks_float32():
+    tokens, _ = golden("qwen35moe-tiny")
+    f32 = run(load_model(DATA / "qwen35moe-tiny-q8_0.gguf"), tokens)
+    bf16 = run(load_model(DATA / "qwen35moe-tiny-q8_0.gguf", torch.bfloat16), tokens)
+    assert (bf16.argmax(-1) == f32.argmax(-1)).float().mean() >= 0.6
+    assert (bf16 - f32).abs().max() <= 0.15 * f32.abs().max()
