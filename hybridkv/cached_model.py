@@ -58,11 +58,14 @@ class CachedModel:
         model: str | Path | ResolvedModel | None = None,
         dtype: torch.dtype = torch.float32,
         cache: CacheConfig | None = None,
+        quantize: str | None = None,
     ) -> CachedModel:
         """Load a model with a cache: a checkpoint directory, a .gguf file, an ollama name or a
         Hugging Face repo id (`resolve_model`; default: the embedded default model).
 
         The pool sizes and the RAM they need with the weights are checked before loading.
+        `quantize` ('q8_0') quantizes the weights into GGUF blocks after loading (`models.quantize`;
+        the check counts the float weights, which are held until each is quantized).
         """
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
@@ -76,7 +79,7 @@ class CachedModel:
         config, _ = read_checkpoint(model_dir)
         sizes = PoolSizes.plan(cache_spec(config, dtype), cache)
         check_memory_fit(weights_nbytes(model_dir, dtype), sizes.total_bytes)
-        loaded = load_model(model_dir, dtype)
+        loaded = load_model(model_dir, dtype, quantize=quantize)
         native.enabled()  # the C++ kernels built (first time on this machine, ~10 s) or loaded now, not mid-request
         return cls(loaded, loaded.config, cache, dtype)
 

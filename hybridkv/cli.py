@@ -22,6 +22,7 @@ import torch
 
 from hybridkv.errors import NotSupported
 from hybridkv.models.sources import resolve_model
+from hybridkv.ops.quant.quantize import QUANTIZE_TYPES
 
 if TYPE_CHECKING:
     from hybridkv.engine.llm import LLM
@@ -108,6 +109,12 @@ def add_engine_flags(parser: argparse.ArgumentParser, max_num_seqs: int = 8) -> 
         "downloaded (default: the shipped tiny Qwen3-Next)",
     )
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="compute dtype (default float32)")
+    parser.add_argument(
+        "--quantize",
+        choices=sorted(QUANTIZE_TYPES),
+        help="quantize a float model's weights at load into GGUF blocks, computed on as a GGUF file's (default: as "
+        "stored)",
+    )
     parser.add_argument("--threads", type=int, metavar="N", help="torch CPU threads")
     parser.add_argument("--max-model-len", type=int, default=4096, metavar="N", help="context length (default 4096)")
     parser.add_argument(
@@ -173,7 +180,7 @@ def llm_from_args(args: argparse.Namespace) -> LLM:
         snapshot_bytes=None if budget is None else budget * 3 // 10,
     )
     try:
-        return LLM(source, dtype=args.dtype, cache=cache, engine=engine)
+        return LLM(source, dtype=args.dtype, cache=cache, engine=engine, quantize=args.quantize)
     except (ValueError, MemoryError) as e:
         raise UsageError(str(e)) from None
 

@@ -72,6 +72,12 @@ def add_parser(commands: Any) -> None:
         help="build the shape's checkpoint here once and reuse it in later runs (default: a temporary directory)",
     )
     bench.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and compute (float32)")
+    bench.add_argument(
+        "--quantize",
+        choices=["q8_0"],
+        help="hybridkv quantizes the weights at load (transformers keeps --dtype): the ratio of what a user of each "
+        "engine runs",
+    )
     bench.add_argument("--quick", action="store_true", help="fewer repetitions: the whole run in under 3 minutes")
     bench.add_argument("--json", metavar="PATH", type=Path, help="also write the figures to PATH as JSON")
     bench.set_defaults(run=main)
@@ -97,6 +103,7 @@ def main(args: argparse.Namespace) -> int:
             quick=args.quick,
             shape=SHAPES[args.shape],
             cache_dir=args.cache_dir,
+            quantize=args.quantize,
         )
     except MemoryError as e:  # the weights twice, or with the cache, would not fit: say so in one line
         print(f"hybridkv bench: {e}", file=sys.stderr)
@@ -119,6 +126,7 @@ def run(
     shape: Shape | None = None,
     limits: Limits | None = None,
     cache_dir: Path | None = None,
+    quantize: str | None = None,
 ) -> dict[str, Any]:
     """Run every scenario; returns the JSON document (see `report.to_json`).
 
@@ -142,7 +150,7 @@ def run(
             model_dir = cached_checkpoint(shape, dtype, cache_dir or Path(tmp), log)
         _check_both_fit(weights_nbytes(model_dir, dtype), str(model_dir))
         log(f"loading {model_dir} in both engines ({str(dtype).removeprefix('torch.')})")
-        cm = CachedModel.load(model_dir, dtype=dtype)
+        cm = CachedModel.load(model_dir, dtype=dtype, quantize=quantize)
         peer = load_peer(model_dir, dtype)
         if limits is None:
             log("measuring the machine's limits")
@@ -155,6 +163,7 @@ def run(
         "model_type": model_type,
         "transformers_class": type(peer).__name__,
         "dtype": str(dtype).removeprefix("torch."),
+        "quantize": quantize,
         "quick": quick,
         "seconds": time.perf_counter() - started,
         "torch_version": torch.__version__,

@@ -16,11 +16,14 @@ import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from hybridkv.models import Qwen3NextModel
 from hybridkv.ops.matmul import BF16_GEMM
+from hybridkv.ops.quant import QuantizedWeight
+from hybridkv.ops.quant.linear import QuantExperts, QuantLinear
 
 
 def best_time(fn: Callable[[], object], reps: int) -> float:
@@ -73,22 +76,31 @@ class WeightCounts:
     lm_head: int
     experts: int
     active_experts_fraction: float
-    element_size: int
+    element_size: float  # bytes per weight, on average (GGUF blocks: e.g. 34/32 for Q8_0)
     tied: bool
 
     @staticmethod
     def of(model: Qwen3NextModel) -> WeightCounts:
-        """The counts of a loaded model (any family: all share Qwen3NextModel's layers)."""
-        params = dict(model.named_parameters())
-        total = sum(p.numel() for p in params.values())
-        embed = params["embed"].numel()
-        lm_head = params["lm_head"].numel() if "lm_head" in params else embed  # tied: embed is the output layer
-        # Routed experts are the 3-D [E, ...] feed-forward weights, whatever the family.
-        experts = sum(p.numel() for n, p in params.items() if n.endswith(("ffn.gate_up", "ffn.down")) and p.dim() == 3)
+        """The counts of a loaded model (any family: all share Qwen3NextModel's layers), its
+        weights float parameters or a file's blocks."""
+        held: dict[str, Any] = dict(model.named_parameters())
+        for prefix, module in model.named_modules():
+            for attr, value in vars(module).items():
+                if isinstance(value, (QuantizedWeight, QuantLinear, QuantExperts)):
+                    held[f"{prefix}.{attr}" if prefix else attr] = value
+        total = sum(w.numel() for w in held.values())
+        embed = held["embed"].numel()
+        lm_head = held["lm_head"].numel() if "lm_head" in held else embed  # tied: embed is the output layer
+        # Routed experts are the [E, ...] feed-forward weights, whatever the family.
+        experts = sum(
+            w.numel()
+            for n, w in held.items()
+            if n.endswith(("ffn.gate_up", "ffn.down")) and (isinstance(w, QuantExperts) or w.dim() == 3)
+        )
         config = model.config
         fraction = config.num_experts_per_tok / config.num_experts if experts else 1.0
-        size = params["embed"].element_size()
-        return WeightCounts(total, embed, lm_head, experts, fraction, size, tied="lm_head" not in params)
+        size = model.weight_sizes()[1] / total
+        return WeightCounts(total, embed, lm_head, experts, fraction, size, tied="lm_head" not in held)
 
     @property
     def active_per_token(self) -> int:

@@ -68,6 +68,11 @@ def print_table(document: dict[str, Any], console: Any) -> None:
 
     run, machine, model = document["run"], document["machine"], document["model"]
     title = f"hybridkv vs transformers {run['transformers_version']}: same weights, {run['dtype']}, one run"
+    if run.get("quantize"):
+        title = (
+            f"hybridkv ({run['quantize'].upper()}) vs transformers {run['transformers_version']} ({run['dtype']}): "
+            "the same weights as each engine runs them, one run"
+        )
     table = Table(title=title, title_justify="left")
     for column, justify in (
         ("scenario", "left"),
@@ -103,7 +108,10 @@ def print_table(document: dict[str, Any], console: Any) -> None:
     ]
     s = document["scenarios"]
     if "max_rel_err" in s.get("prefill_512", {}):
-        notes.append(f"parity: last-token logits of prefill_512 agree to {s['prefill_512']['max_rel_err']:.1e}")
+        rounding = f" (hybridkv's weights rounded to {run['quantize'].upper()})" if run.get("quantize") else ""
+        notes.append(
+            f"parity: last-token logits of prefill_512 agree to {s['prefill_512']['max_rel_err']:.1e}{rounding}"
+        )
     if "decode_b16" in s:
         d = s["decode_b16"]
         notes.append(

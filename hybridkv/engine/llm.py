@@ -58,6 +58,7 @@ class LLM:
         dtype: str | torch.dtype = "float32",
         cache: CacheConfig | None = None,
         engine: EngineConfig | None = None,
+        quantize: str | None = None,
     ) -> None:
         if model is None:
             from hybridkv.default_model import default_model_dir
@@ -68,7 +69,9 @@ class LLM:
             log.warning("%s: %s", self.source.served_name, note)
         self.model_dir = self.source.path  # the checkpoint directory, or the (first) GGUF file
         engine = engine or EngineConfig()
-        self.cm = CachedModel.load(self.source, parse_dtype(dtype), cache or default_cache_config(engine))
+        self.cm = CachedModel.load(
+            self.source, parse_dtype(dtype), cache or default_cache_config(engine), quantize=quantize
+        )
         self.files: tuple[Path, ...]  # what the model was read from
         generation_config: dict[str, Any] = {}
         if self.source.is_gguf:  # tokenizer and chat template from the file's metadata
@@ -78,7 +81,7 @@ class LLM:
             self.template = ChatTemplate.from_gguf_metadata(metadata)
             self.files = tuple(self.source.gguf_parts)
             self.file_format, self.architecture = "gguf", str(metadata.get("general.architecture", "unknown"))
-            self.quantization = file_type_name(metadata)
+            self.quantization = quantize.upper() if quantize else file_type_name(metadata)
         else:
             self.tokenizer = Tokenizer.from_dir(self.model_dir)
             self.template = ChatTemplate.from_dir(self.model_dir)
@@ -86,7 +89,8 @@ class LLM:
             self.files = tuple(sorted(p for p in self.model_dir.iterdir() if p.is_file()))
             model_type = _read_json(self.model_dir / "config.json").get("model_type", "unknown")
             self.file_format, self.architecture = "safetensors", str(model_type)
-            self.quantization = {torch.float32: "F32", torch.bfloat16: "BF16"}.get(self.cm.dtype, str(self.cm.dtype))
+            dtype_name = {torch.float32: "F32", torch.bfloat16: "BF16"}.get(self.cm.dtype, str(self.cm.dtype))
+            self.quantization = quantize.upper() if quantize else dtype_name
         self.generation_config = {**generation_config, **self.source.sampling_defaults}  # ollama's params layer
         self.engine = Engine(self.cm, self.tokenizer, engine, self.generation_config)
         self._generated: OrderedDict[str, list[int]] = OrderedDict()

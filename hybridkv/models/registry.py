@@ -15,6 +15,7 @@ import torch
 from hybridkv.models import gguf_blocks, qwen3_5, qwen3_next
 from hybridkv.models.config import ModelConfig
 from hybridkv.models.gguf_checkpoint import GGUFCheckpoint, GGUFTensors
+from hybridkv.models.quantize import quantize_model, quantize_type
 from hybridkv.models.qwen3_next import Qwen3NextModel
 from hybridkv.models.weights import Checkpoint, Layout, TensorSource, load_weights
 
@@ -75,12 +76,16 @@ def weights_nbytes(model_dir: str | Path, dtype: torch.dtype, keep_blocks: bool 
     return total
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, keep_blocks: bool = True) -> Qwen3NextModel:
+def load_model(
+    model_dir: str | Path, dtype: torch.dtype = torch.float32, keep_blocks: bool = True, quantize: str | None = None
+) -> Qwen3NextModel:
     """Build the model of a Hugging Face checkpoint directory or a GGUF file, weights cast to `dtype`.
 
     A GGUF file's projections stay in their blocks where the type has a kernel (`gguf_blocks`);
-    `keep_blocks=False` dequantizes everything at load instead.
+    `keep_blocks=False` dequantizes everything at load instead. `quantize` ('q8_0') quantizes the
+    float weights after loading (`models.quantize`).
     """
+    type_id = quantize_type(quantize) if quantize is not None else None
     config, checkpoint = read_checkpoint(model_dir, keep_tiled=keep_blocks)
     family = FAMILIES[config.family]
     model = family.model_class(config, dtype)
@@ -96,4 +101,6 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, keep_b
             if isinstance(layer.mixer, qwen3_next.GatedDeltaNet):
                 layer.mixer.tiled_heads = True
     load_weights(params, layout, checkpoint, lambda name: family.is_ignored(config, name) or name in held)
+    if type_id is not None:
+        quantize_model(model, type_id)
     return model.eval()

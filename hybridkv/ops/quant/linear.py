@@ -136,6 +136,10 @@ class QuantExperts:
     def numel(self) -> int:
         return sum(_part_numel(p) for p in self.parts)
 
+    def dequantize(self) -> torch.Tensor:
+        """The experts' W [E, in, out] as float32: the reference."""
+        return torch.cat([p.dequantize().mT if isinstance(p, QuantizedWeight) else p.float() for p in self.parts], -1)
+
     def expert(self, e: int) -> QuantLinear:
         parts = (
             QuantizedWeight(p.blocks[e], p.btype, p.shape[1:]) if isinstance(p, QuantizedWeight) else p[e]
