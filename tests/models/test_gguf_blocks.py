@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_gguf_loading import DATA, golden, run
+from tiny import TinyCache
 
 import hybridkv.ops.quant.linear as quant_linear
 from hybridkv.models import load_model, weights_nbytes
@@ -43,9 +44,6 @@ def test_projections_embedding_and_experts_stay_in_the_files_blocks():
 def emulated(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     """What an integer product computes: x rounded to the activation blocks its type pairs with
     (Q8_0: blocks of 32; K-quants: Q8_K super-blocks of 256), times the dequantized weight."""
-    if x.shape[0] > FEW_ROWS:
-        with float_activations():
-            return quant_linear.block_matmul(x, w)
     T = x.shape[0]
     if w.btype.block_elems == 32:
         q = quantize_rows_q8(x.float())
@@ -70,6 +68,16 @@ def test_whole_models_8bit_products_are_the_activation_rounding_and_nothing_else
     assert 0 < (ours - exact).abs().max() <= 0.15 * exact.abs().max()
 
 
+@pytest.mark.parametrize("file", Q8_FILES)
+def test_cached_decode_steps_equal_a_fresh_prefill_on_blocks(file):
+    """Prefill and decode round activations alike, so the cache's contract holds on the blocks too."""
+    tokens, _ = golden(file.rsplit("-", 1)[0])
+    model = load_model(DATA / file)
+    stepped = run(model, tokens)
+    fresh = TinyCache(model.config, num_seqs=1, max_len=len(tokens)).run(model, [(0, tokens)])[0]
+    assert (stepped - fresh).abs().max() <= 1e-5 * fresh.abs().max()
+
+
 def test_a_projection_of_mixed_parts_multiplies_each_on_its_own_kind(monkeypatch):
     gen = torch.Generator().manual_seed(0)
     K = 512
@@ -85,10 +93,11 @@ def test_a_projection_of_mixed_parts_multiplies_each_on_its_own_kind(monkeypatch
         want = torch.cat([emulated(x, p) if isinstance(p, QuantizedWeight) else x @ p for p in parts], 1)
         got = proj.matmul(x)
         assert (got - want).abs().max() <= 1e-4 * want.abs().max()
-    # many rows: the weight dequantized a tile at a time, tiles joined in order
+    # the float reference: the weight dequantized a tile at a time, tiles joined in order
     monkeypatch.setattr(quant_linear, "TILE_ROWS", 2)
     x = torch.randn(FEW_ROWS + 1, K, generator=gen)
-    assert torch.allclose(proj.matmul(x), x @ proj.dequantize(), rtol=1e-5, atol=1e-4)
+    with float_activations():
+        assert torch.allclose(proj.matmul(x), x @ proj.dequantize(), rtol=1e-5, atol=1e-4)
 
 
 def random_blocks(w: torch.Tensor, type_id: int, gen: torch.Generator) -> QuantizedWeight:
