@@ -67,6 +67,12 @@ def routed_experts(
     """
     top_k = experts.shape[1]
     weights = weights.to(x.dtype)
+    if isinstance(gate_up, QuantExperts) and isinstance(down, QuantExperts) and x.shape[0] * top_k <= FEW_ROWS:
+        # Decode: every (token, expert) pair in one kernel call per projection, no per-expert loop.
+        ids = experts.flatten()
+        xs = x.repeat_interleave(top_k, dim=0)
+        y = down.pairs_matmul(silu_mul(gate_up.pairs_matmul(xs, ids)), ids)  # [T·k, D]
+        return (y * weights.reshape(-1, 1)).view(x.shape[0], top_k, -1).sum(1)
     if isinstance(gate_up, QuantExperts) or isinstance(down, QuantExperts):
         return _routed_loop(x, experts, weights, gate_up, down)
     if x.shape[0] == 1:

@@ -123,3 +123,26 @@ def test_bfloat16_compute_on_blocks_tracks_float32():
     bf16 = run(load_model(DATA / "qwen35moe-tiny-q8_0.gguf", torch.bfloat16), tokens)
     assert (bf16.argmax(-1) == f32.argmax(-1)).float().mean() >= 0.6
     assert (bf16 - f32).abs().max() <= 0.15 * f32.abs().max()
+
+
+@pytest.mark.parametrize("type_id", [8, 12, 14])  # Q8_0, Q4_K, Q6_K
+def test_all_pairs_of_a_moe_step_in_one_call_equal_each_experts_own_product(type_id):
+    gen = torch.Generator().manual_seed(type_id)
+    E, N, K = 5, 24, 512
+    experts = [random_blocks(torch.randn(N, K, generator=gen), type_id, gen) for _ in range(E)]
+    w = QuantizedWeight(torch.stack([e.blocks for e in experts]), experts[0].btype, (E, N, K))
+    other = torch.randn(E, K, 3, generator=gen)  # a float part beside the blocks
+    both = QuantExperts((w, other))
+    x = torch.randn(7, K, generator=gen)
+    ids = torch.tensor([4, 0, 4, 2, 1, 1, 3])
+    want = torch.cat([both.expert(int(e)).matmul(x[p : p + 1]) for p, e in enumerate(ids)])
+    got = both.pairs_matmul(x, ids)
+    assert got.shape == (7, N + 3)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    with float_activations():
+        assert torch.allclose(
+            both.pairs_matmul(x, ids),
+            torch.cat([x[p] @ both.dequantize()[e] for p, e in enumerate(ids)]).view(7, -1),
+            rtol=1e-4,
+            atol=1e-4,
+        )

@@ -600,10 +600,50 @@ at::Tensor kq_matmul(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type
   return y;
 }
 
+// y [P, N]: row p of x times expert ids[p]'s weight rows, w [E, N, K/256*bytes] (MoE decode).
+template <class KT, Isa I>
+void experts_impl(const Q8K& xq, const uint8_t* w, const int64_t* ids, int64_t N, float* y) {
+  const int64_t P = xq.q.size(0), K = xq.q.size(1), nb = K / QK_K, row_bytes = nb * KT::bytes;
+  const int8_t* a = xq.q.data_ptr<int8_t>();
+  const float* dx = xq.d.data_ptr<float>();
+  const std::vector<int16_t> xs = min_sums_of<KT>(xq.bsums.data_ptr<int16_t>(), P * nb);
+  at::parallel_for(0, P * N, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t p = i / N, n = i % N;
+      y[i] = row_dot<KT, I>(w + (ids[p] * N + n) * row_bytes, a + p * K, dx + p * nb, &xs[p * nb * 16], nb);
+    }
+  });
+}
+
+at::Tensor kq_experts_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ids_in, int64_t ggml_type,
+                             const std::string& isa) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous(),
+              "kq_experts_matmul: x must be [P, K] and w contiguous uint8 [E, N, row_bytes]");
+  const int64_t P = x.size(0), K = x.size(1), E = w.size(0), N = w.size(1);
+  const int bytes = block_bytes(ggml_type);
+  TORCH_CHECK(K % QK_K == 0 && w.size(2) == K / QK_K * bytes, "kq_experts_matmul: activations of ", K,
+              " features need rows of ", K / QK_K * bytes, " bytes, got ", w.size(2));
+  const at::Tensor ids = ids_in.to(at::kLong).contiguous();
+  TORCH_CHECK(ids.numel() == P, "kq_experts_matmul: one expert id per row of x");
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  for (int64_t p = 0; p < P; ++p) TORCH_CHECK(idp[p] >= 0 && idp[p] < E, "kq_experts_matmul: expert ", idp[p], " out of range");
+  const bool avx2 = parse_isa(isa) == Isa::Avx2;
+  const Q8K xq = quantize(x);
+  at::Tensor y = at::empty({P, N}, x.options().dtype(at::kFloat));
+  const auto args = std::make_tuple(std::cref(xq), w.data_ptr<uint8_t>(), idp, N, y.data_ptr<float>());
+  switch (ggml_type) {
+    case 12: std::apply(avx2 ? experts_impl<Q4K, Isa::Avx2> : experts_impl<Q4K, Isa::Scalar>, args); break;
+    case 13: std::apply(avx2 ? experts_impl<Q5K, Isa::Avx2> : experts_impl<Q5K, Isa::Scalar>, args); break;
+    case 14: std::apply(avx2 ? experts_impl<Q6K, Isa::Avx2> : experts_impl<Q6K, Isa::Scalar>, args); break;
+  }
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hybridkv, m) {
   m.def("kq_isas() -> str[]", kq_isas);  // no tensor to dispatch on: one kernel for every backend
+  m.def("kq_experts_matmul(Tensor x, Tensor w, Tensor ids, int ggml_type, str isa) -> Tensor");
   m.def("quantize_rows_q8_k(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("kq_superblock_sums(Tensor q, Tensor bsums, Tensor w, int ggml_type, str isa) -> Tensor");
   m.def("kq_matmul(Tensor x, Tensor w, int ggml_type, str isa) -> Tensor");
@@ -613,4 +653,5 @@ TORCH_LIBRARY_IMPL(hybridkv, CPU, m) {
   m.impl("quantize_rows_q8_k", quantize_rows_q8_k);
   m.impl("kq_superblock_sums", kq_superblock_sums);
   m.impl("kq_matmul", kq_matmul);
+  m.impl("kq_experts_matmul", kq_experts_matmul);
 }

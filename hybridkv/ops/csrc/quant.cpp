@@ -259,10 +259,52 @@ at::Tensor q8_0_matmul(const at::Tensor& x, const at::Tensor& w, const std::stri
   return y;
 }
 
+// y [P, N]: row p of x times expert ids[p]'s weight, w [E, N, K/32*34] (MoE decode: one call per
+// projection for every (token, expert) pair). Threads split the pairs' rows.
+template <Isa I>
+void experts_impl(const int8_t* a, const float* dx, int64_t P, const uint8_t* w, const int64_t* ids, int64_t N,
+                  int64_t nb, float* y) {
+  const int64_t row_bytes = nb * Q8_0_BYTES;
+  at::parallel_for(0, P * N, 16, [&](int64_t i0, int64_t i1) {
+    std::vector<float> dw(nb);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t p = i / N, n = i % N;
+      const uint8_t* wr = w + (ids[p] * N + n) * row_bytes;
+      for (int64_t b = 0; b < nb; ++b) dw[b] = fp16(wr + b * Q8_0_BYTES);
+      y[i] = row_dot<I>(wr, dw.data(), a + p * nb * QK8, dx + p * nb, nb);
+    }
+  });
+}
+
+at::Tensor q8_0_experts_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ids_in,
+                               const std::string& isa) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous(),
+              "q8_0_experts_matmul: x must be [P, K] and w contiguous uint8 [E, N, K/32*34]");
+  const int64_t P = x.size(0), K = x.size(1), E = w.size(0), N = w.size(1), nb = K / QK8;
+  TORCH_CHECK(K % QK8 == 0 && w.size(2) == nb * Q8_0_BYTES, "q8_0_experts_matmul: activations of ", K,
+              " features need rows of ", nb * Q8_0_BYTES, " bytes, got ", w.size(2));
+  const at::Tensor ids = ids_in.to(at::kLong).contiguous();
+  TORCH_CHECK(ids.numel() == P, "q8_0_experts_matmul: one expert id per row of x");
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  for (int64_t p = 0; p < P; ++p) TORCH_CHECK(idp[p] >= 0 && idp[p] < E, "q8_0_experts_matmul: expert ", idp[p], " out of range");
+  const Isa path = parse_isa(isa);
+  const auto [q, d] = quantize_rows_q8(x);
+  at::Tensor y = at::empty({P, N}, x.options().dtype(at::kFloat));
+  const auto args = std::make_tuple(q.data_ptr<int8_t>(), d.data_ptr<float>(), P, w.data_ptr<uint8_t>(), idp, N, nb,
+                                    y.data_ptr<float>());
+  switch (path) {
+    case Isa::Vnni: std::apply(experts_impl<Isa::Vnni>, args); break;
+    case Isa::Avx2: std::apply(experts_impl<Isa::Avx2>, args); break;
+    case Isa::Scalar: std::apply(experts_impl<Isa::Scalar>, args); break;
+  }
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hybridkv, m) {
   m.def("q8_isas() -> str[]", q8_isas);  // no tensor to dispatch on: one kernel for every backend
+  m.def("q8_0_experts_matmul(Tensor x, Tensor w, Tensor ids, str isa) -> Tensor");
   m.def("quantize_rows_q8(Tensor x) -> (Tensor, Tensor)");
   m.def("q8_0_block_sums(Tensor q, Tensor w, str isa) -> Tensor");
   m.def("q8_0_matmul(Tensor x, Tensor w, str isa) -> Tensor");
@@ -272,4 +314,5 @@ TORCH_LIBRARY_IMPL(hybridkv, CPU, m) {
   m.impl("quantize_rows_q8", quantize_rows_q8);
   m.impl("q8_0_block_sums", q8_0_block_sums);
   m.impl("q8_0_matmul", q8_0_matmul);
+  m.impl("q8_0_experts_matmul", q8_0_experts_matmul);
 }

@@ -111,3 +111,11 @@ def q8_0_matmul(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     if native.enabled(x, rows):
         return native_q8_0_matmul(x, rows)
     return q8_0_matmul_twin(x, rows)
+
+
+def native_q8_0_experts_matmul(
+    x: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, isa: str = "auto"
+) -> torch.Tensor:
+    """Row p of x [P, K] times expert ids[p]'s Q8_0 rows (rows [E, N, nb·34]) → [P, N] float32: the
+    products `native_q8_0_matmul` computes, every (token, expert) pair of a MoE step in one call."""
+    return _ops().q8_0_experts_matmul(x, rows, ids, isa)

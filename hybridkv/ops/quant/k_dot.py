@@ -175,3 +175,11 @@ def k_matmul(ggml_id: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tenso
         return k_matmul_twin(x, rows, ggml_id)
 
     return matmul
+
+
+def native_k_experts_matmul(
+    x: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, ggml_id: int, isa: str = "auto"
+) -> torch.Tensor:
+    """Row p of x [P, K] times expert ids[p]'s K-quant rows (rows [E, N, nb·block_bytes]) → [P, N]
+    float32: the products `native_k_matmul` computes, every (token, expert) pair in one call."""
+    return _ops().kq_experts_matmul(x, rows, ids, ggml_id, isa)

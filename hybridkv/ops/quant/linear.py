@@ -27,7 +27,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hybridkv.ops import native
 from hybridkv.ops.matmul import mm
+from hybridkv.ops.quant.int8_dot import native_q8_0_experts_matmul
+from hybridkv.ops.quant.k_dot import native_k_experts_matmul
 from hybridkv.ops.quant.weight import QuantizedWeight
 
 # Rows of a weight dequantized at once for a many-row product: bounds the float32 copy (16 MiB at
@@ -144,11 +147,30 @@ class QuantExperts:
         return torch.cat([p.dequantize().mT if isinstance(p, QuantizedWeight) else p.float() for p in self.parts], -1)
 
     def expert(self, e: int) -> QuantLinear:
-        parts = (
-            QuantizedWeight(p.blocks[e], p.btype, p.shape[1:]) if isinstance(p, QuantizedWeight) else p[e]
-            for p in self.parts
-        )
-        return QuantLinear(tuple(parts))
+        return QuantLinear(tuple(_expert_part(p, e) for p in self.parts))
+
+    def pairs_matmul(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Row p of x [P, in] times expert ids[p]'s W → [P, out] in x's dtype: every (token,
+        expert) pair of a decode step in one kernel call per part."""
+        ys = [_pairs_part(x, p, ids) for p in self.parts]
+        return (ys[0] if len(ys) == 1 else torch.cat([y.float() for y in ys], dim=-1)).to(x.dtype)
+
+
+def _expert_part(p: Part, e: int) -> Part:
+    return QuantizedWeight(p.blocks[e], p.btype, p.shape[1:]) if isinstance(p, QuantizedWeight) else p[e]
+
+
+def _pairs_part(x: torch.Tensor, part: Part, ids: torch.Tensor) -> torch.Tensor:
+    """x [P, in] @ (expert ids[p]'s part)ᵀ row by row → [P, out_i] float32."""
+    kernel = isinstance(part, QuantizedWeight) and part.btype.matmul is not None and not getattr(_mode, "float", False)
+    if kernel and isinstance(part, QuantizedWeight) and native.enabled(x, part.blocks):
+        blocks = part.blocks.contiguous()
+        if part.btype.block_elems == 32:  # Q8_0
+            return native_q8_0_experts_matmul(x.float(), blocks, ids)
+        return native_k_experts_matmul(x.float(), blocks, ids, int(part.btype.ggml_type))
+    # without the kernels (or under float_activations): each pair through its expert's own product
+    rows = [QuantLinear((_expert_part(part, e),)).matmul(x[p : p + 1]).float() for p, e in enumerate(ids.tolist())]
+    return torch.cat(rows)
 
 
 def quant_parts(parts: Sequence[Part]) -> tuple[Part, ...]:
