@@ -226,6 +226,7 @@ class Engine:
                 return
             self.waiting.popleft()
             self.running.append(request)
+            request.queued = False
 
     def _fits(self, request: Request) -> bool:
         """Admit only what the free KV blocks can take after the running requests' own remaining
@@ -477,6 +478,7 @@ class Engine:
             branch.backlog, branch.pending = [], None
         victim.usage.preemptions += 1
         self.counters["preemptions"] += 1
+        victim.queued = True
         self.waiting.appendleft(victim)
 
 

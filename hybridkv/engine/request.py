@@ -92,6 +92,7 @@ class Request:
     usage: Usage = field(default_factory=Usage)
     first_token_time: float | None = None
     finish_time: float | None = None
+    queued: bool = True  # waiting to be admitted (again, once preempted); set by the engine, read by anyone
     events: queue.SimpleQueue[StreamEvent] = field(default_factory=queue.SimpleQueue)
 
     @property

@@ -4,7 +4,8 @@ the Ollama routes under /api, and /health and /metrics.
 Errors are answered in the style of the API that was called: OpenAI's
 `{"error": {"message", "type", "param", "code"}}` under /v1, Ollama's `{"error": "..."}` under
 /api. A request body is read only up to `max_body` bytes; anything larger is a 413 before any
-of it is parsed or tokenized.
+of it is parsed or tokenized. With API keys (`auth.Access`), a request without a valid key gets a
+401 before any route runs.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ from hybridkv.engine.llm import LLM
 from hybridkv.engine.request import RequestOutput
 from hybridkv.engine.sampling import SamplingParams
 from hybridkv.server import metrics, ollama, openai
+from hybridkv.server.auth import Access, RequireKey
 from hybridkv.server.chatml import CHATML_WITH_TOOLS
-from hybridkv.server.fields import ApiError, Fields
-from hybridkv.server.generation import Generation
+from hybridkv.server.fields import ApiError, Fields, error_body
+from hybridkv.server.generation import RETRY_AFTER_S, Generation
 
 log = logging.getLogger("hybridkv.server")
 LATEST = ":latest"
@@ -43,10 +45,11 @@ _DRAIN_LIMIT = 64 << 20  # an oversized body up to this size is read and dropped
 class ServerState:
     """What every route needs: the LLM, the one model id, limits, and the HTTP counters."""
 
-    def __init__(self, llm: LLM, model_id: str, max_body: int) -> None:
+    def __init__(self, llm: LLM, model_id: str, max_body: int, access: Access | None = None) -> None:
         self.llm = llm
         self.model_id = model_id
         self.max_body = max_body
+        self.access = access or Access()
         self.started = time.time()
         self.serving = False  # between the lifespan's start and end
         self.responses: Counter[tuple[str, int]] = Counter()
@@ -92,8 +95,21 @@ class ServerState:
             raise ApiError(400, f"the request body is not valid JSON: {e}") from None
         return Fields(data)
 
-    def submit(self, prompts: Sequence[tuple[list[int], Sequence[int], SamplingParams]]) -> Generation:
-        generation = Generation.submit(self.llm.engine, prompts)
+    def submit(
+        self, prompts: Sequence[tuple[list[int], Sequence[int], SamplingParams]], key: int | None = None
+    ) -> Generation:
+        """Queue the prompts for the client with API key `key`: a 429 if that key already has
+        `max_waiting_per_key` requests waiting (other keys are not affected)."""
+        limit = self.access.max_waiting_per_key
+        if limit is not None and key is not None:
+            waiting = sum(g.waiting for g in list(self._generations) if g.key == key)
+            if len(prompts) > limit:
+                message = f"{len(prompts)} prompts in one request: this server queues at most {limit} per API key"
+                raise ApiError(400, message, param="prompt")
+            if waiting + len(prompts) > limit:
+                message = f"this API key already has {waiting} requests waiting (at most {limit} a key); retry later"
+                raise ApiError(429, message, headers={"Retry-After": str(RETRY_AFTER_S)})
+        generation = Generation.submit(self.llm.engine, prompts, key)
         self._generations.add(generation)
         return generation
 
@@ -134,14 +150,18 @@ class ServerState:
         return tail.endswith("<think>")
 
 
-def create_app(llm: LLM, model_id: str | None = None, max_body: int | None = None) -> Starlette:
+def create_app(
+    llm: LLM, model_id: str | None = None, max_body: int | None = None, access: Access | None = None
+) -> Starlette:
     """The app serving `llm` as `model_id` (default: its source's served name). The engine thread
     starts with the app's lifespan and is shut down (cancelling what still runs) at its end.
-    `max_body` defaults to 1 MiB or 64 bytes per context token, whichever is larger."""
+    `max_body` defaults to 1 MiB or 64 bytes per context token, whichever is larger. `access`:
+    the API keys every route off the public ones needs (default: none, anyone may call)."""
     state = ServerState(
         llm,
         model_id or llm.source.served_name,
         max_body or max(1 << 20, 64 * int(llm.cm.cache.config.max_model_len)),
+        access,
     )
 
     @contextlib.asynccontextmanager
@@ -164,6 +184,7 @@ def create_app(llm: LLM, model_id: str | None = None, max_body: int | None = Non
     handlers: Mapping[Any, Any] = {ApiError: api_error, HTTPException: http_error, Exception: server_error}
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
     app.state.server = state
+    app.add_middleware(RequireKey, access=state.access)  # inside the counting: 401s are counted
     app.add_middleware(metrics.CountResponses, counts=state.responses)
     return app
 
@@ -186,16 +207,6 @@ async def prometheus(request: Request) -> Response:
     state = server_state(request)
     text = metrics.render(state.llm.engine.metrics(), state.responses, state.model_id)
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
-
-
-def error_body(path: str, status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    if path.startswith("/api/"):
-        return {"error": message}
-    kind = {404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error"}.get(status)
-    if kind is None:
-        kind = "invalid_request_error" if status < 500 else "server_error"
-    code = "model_not_found" if status == 404 and param == "model" else None
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 async def api_error(request: Request, exc: Exception) -> Response:

@@ -1,10 +1,15 @@
-"""`hybridkv serve [--host H] [--port P] [--max-queue N] [engine flags]`: the command line of the server."""
+"""`hybridkv serve [--host H] [--port P] [--max-queue N] [access flags] [engine flags]`: the command
+line of the server. Everything it can refuse (flags, key sources, TLS files, a host beyond loopback
+without a key) is refused before the model loads."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import socket
+import ssl
 import sys
+from pathlib import Path
 from typing import Any
 
 DEFAULT_MODEL_ID = "hybridkv-default"
@@ -39,25 +44,58 @@ def add_parser(commands: Any) -> None:
         metavar="S",
         help="seconds streams may take to finish on shutdown before they are cancelled (default 5)",
     )
+    _add_access_flags(serve)
     serve.set_defaults(run=serve_command)
+
+
+def _add_access_flags(serve: argparse.ArgumentParser) -> None:
+    access = serve.add_argument_group(
+        "access",
+        "API keys: with any, every route but /health, GET /, /api/version (and /metrics with --metrics-public) "
+        "needs 'Authorization: Bearer KEY'. Keys from all three sources are accepted; prefer the file or "
+        "HYBRIDKV_API_KEY (comma-separated), since arguments show in `ps`. Without a key, serve refuses a "
+        "--host that reaches beyond loopback (127.0.0.0/8, ::1).",
+    )
+    access.add_argument(
+        "--api-key-file", metavar="FILE", help="a file of API keys, one a line (blank lines and # comments skipped)"
+    )
+    access.add_argument(
+        "--api-key", action="append", metavar="KEY", help="an API key (repeatable; visible to other users in `ps`)"
+    )
+    access.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="listen beyond loopback without API keys: anyone who reaches the port may use the model",
+    )
+    access.add_argument("--metrics-public", action="store_true", help="serve /metrics without a key")
+    access.add_argument(
+        "--max-waiting-per-key",
+        type=int,
+        metavar="N",
+        help="requests one API key may have waiting in the queue; beyond, 429 for that key only (default: no limit)",
+    )
+    access.add_argument("--ssl-certfile", metavar="FILE", help="serve HTTPS with this certificate (PEM)")
+    access.add_argument("--ssl-keyfile", metavar="FILE", help="the certificate's private key (PEM, unencrypted)")
 
 
 def serve_command(args: argparse.Namespace) -> int:
     from hybridkv import cli
 
     try:
-        llm, model_id = _checked(args)
+        llm, model_id, access = _checked(args)
     except cli.UsageError as e:  # caught here too: under `python -m hybridkv.cli`, cli.main's class differs
         print(f"hybridkv: error: {e}", file=sys.stderr)
         return 2
     from hybridkv.server.serve import serve
 
-    serve(llm, model_id, args.host, args.port, args.shutdown_timeout)
+    tls = {"ssl_certfile": args.ssl_certfile, "ssl_keyfile": args.ssl_keyfile}
+    serve(llm, model_id, args.host, args.port, args.shutdown_timeout, access, **tls)
     return 0
 
 
-def _checked(args: argparse.Namespace) -> tuple[Any, str]:
+def _checked(args: argparse.Namespace) -> tuple[Any, str, Any]:
     from hybridkv.cli import UsageError, llm_from_args
+    from hybridkv.server.auth import AccessError
 
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
@@ -69,5 +107,46 @@ def _checked(args: argparse.Namespace) -> tuple[Any, str]:
         socket.getaddrinfo(args.host, args.port)
     except OSError as e:
         raise UsageError(f"--host {args.host}: {e}") from None
+    try:
+        access = _access(args)
+    except AccessError as e:
+        raise UsageError(str(e)) from None
+    _check_tls(args.ssl_certfile, args.ssl_keyfile)
     llm = llm_from_args(args)
-    return llm, args.model_id or (llm.source.served_name if args.model else DEFAULT_MODEL_ID)
+    return llm, args.model_id or (llm.source.served_name if args.model else DEFAULT_MODEL_ID), access
+
+
+def _access(args: argparse.Namespace) -> Any:
+    """The keys and limits the flags and HYBRIDKV_API_KEY ask for, checked against --host."""
+    from hybridkv.server.auth import ENV_VAR, Access, exposed_addresses, load_keys
+
+    keys = load_keys(args.api_key or (), args.api_key_file, os.environ.get(ENV_VAR))
+    access = Access(keys, args.metrics_public, args.max_waiting_per_key, args.allow_unauthenticated)
+    access.check_host(args.host, args.port)
+    if args.api_key_file and Path(args.api_key_file).stat().st_mode & 0o077:
+        _warn(f"--api-key-file {args.api_key_file} can be read by other users (chmod 600 it)")
+    if keys and not args.ssl_certfile and exposed_addresses(args.host, args.port):
+        _warn("API keys cross the network in clear text over http: add --ssl-certfile/--ssl-keyfile or a TLS proxy")
+    return access
+
+
+def _check_tls(certfile: str | None, keyfile: str | None) -> None:
+    """The certificate and key load (uvicorn would fail on them only after the model loaded)."""
+    from hybridkv.cli import UsageError
+
+    if certfile is None:
+        if keyfile is not None:
+            raise UsageError("--ssl-keyfile needs --ssl-certfile")
+        return
+    flags = f"--ssl-certfile {certfile}" + (f" --ssl-keyfile {keyfile}" if keyfile else "")
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(certfile, keyfile, password="")
+    except ssl.SSLError as e:  # (an OSError too)
+        what = "a PEM certificate and its unencrypted private key" + ("" if keyfile else " (or give --ssl-keyfile)")
+        raise UsageError(f"{flags}: not {what}: {e.reason or e}") from None
+    except OSError as e:
+        raise UsageError(f"{flags}: {e.strerror or e}: {e.filename or ''}".rstrip(": ")) from None
+
+
+def _warn(message: str) -> None:
+    print(f"hybridkv: warning: {message}", file=sys.stderr)

@@ -1,5 +1,6 @@
 """Reading a JSON request body field by field: every type or value error is an `ApiError` naming
-the field, and every field nobody read is refused unless it is known to be harmless."""
+the field, and every field nobody read is refused unless it is known to be harmless. Error bodies
+in the style of the API called."""
 
 from __future__ import annotations
 
@@ -19,6 +20,17 @@ class ApiError(Exception):
         self.message = message
         self.param = param
         self.headers = headers or {}
+
+
+def error_body(path: str, status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    """An error answer's body in the style of the API at `path`: Ollama's under /api/, OpenAI's elsewhere."""
+    if path.startswith("/api/"):
+        return {"error": message}
+    kind = {404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error"}.get(status)
+    if kind is None:
+        kind = "invalid_request_error" if status < 500 else "server_error"
+    code = {401: "invalid_api_key", 404: "model_not_found" if param == "model" else None}.get(status)
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def bad(field: str, message: str) -> ApiError:

@@ -27,13 +27,25 @@ class Generation:
     is idempotent and safe at any time: finished requests are left alone.
     """
 
-    def __init__(self, engine: Engine, requests: list[Request], queue: asyncio.Queue[tuple[int, StreamEvent]]):
+    def __init__(
+        self,
+        engine: Engine,
+        requests: list[Request],
+        queue: asyncio.Queue[tuple[int, StreamEvent]],
+        key: int | None = None,
+    ):
         self.engine = engine
         self.requests = requests
+        self.key = key  # the API key it came with (its index), if any
         self._queue = queue
 
     @classmethod
-    def submit(cls, engine: Engine, prompts: Sequence[tuple[list[int], Sequence[int], SamplingParams]]) -> Generation:
+    def submit(
+        cls,
+        engine: Engine,
+        prompts: Sequence[tuple[list[int], Sequence[int], SamplingParams]],
+        key: int | None = None,
+    ) -> Generation:
         """Queue one request per (prompt ids, cache hint, params). A full queue is a 429 (with
         Retry-After), a prompt the engine refuses a 400; either way nothing stays queued."""
         loop = asyncio.get_running_loop()
@@ -52,7 +64,12 @@ class Generation:
             for request in added:
                 engine.cancel(request.request_id)
             raise ApiError(429, str(e), headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-        return cls(engine, requests, queue)
+        return cls(engine, requests, queue, key)
+
+    @property
+    def waiting(self) -> int:
+        """Its requests queued in the engine, not running yet."""
+        return sum(1 for request in self.requests if request.queued and not request.finished)
 
     async def events(self) -> AsyncIterator[tuple[int, StreamEvent]]:
         """Every event until each request has sent its last (`done`) one."""

@@ -31,6 +31,7 @@ from starlette.routing import Route
 import hybridkv
 from hybridkv.engine.request import Request as EngineRequest
 from hybridkv.engine.sampling import MAX_LOGPROBS, SamplingParams
+from hybridkv.server.auth import api_key
 from hybridkv.server.fields import Fields, bad
 from hybridkv.server.generation import EventStream, Generation
 from hybridkv.server.parsing import Content, OutputParser, Piece, Reasoning, ToolCall, merge
@@ -182,7 +183,7 @@ async def generate(request: Request) -> Response:
         ids = list(context) + new
         hints = ([len(context) - 1] if context else []) + [len(context) + h for h in new_hints]
     params = options.params(len(ids), state.max_model_len)
-    generation = state.submit([(ids, hints, params)])
+    generation = state.submit([(ids, hints, params)], api_key(request))
     parse = {
         "reasoning": not raw and state.opens_thinking(ids),
         "tools": False,
@@ -221,7 +222,7 @@ async def chat(request: Request) -> Response:
         )
     ids, hints = await state.encode_chat(messages, tools, **_think_kwargs(think))
     params = options.params(len(ids), state.max_model_len)
-    generation = state.submit([(ids, hints, params)])
+    generation = state.submit([(ids, hints, params)], api_key(request))
     parse = {
         "reasoning": state.opens_thinking(ids),
         "tools": tools is not None,

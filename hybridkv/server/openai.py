@@ -27,6 +27,7 @@ from starlette.routing import Route
 
 from hybridkv.engine.request import Completion, Usage
 from hybridkv.engine.sampling import MAX_LOGPROBS, SamplingParams
+from hybridkv.server.auth import api_key
 from hybridkv.server.fields import Fields, bad
 from hybridkv.server.generation import EventStream, Generation
 from hybridkv.server.parsing import Content, OutputParser, Piece, Reasoning, ToolCall, merge
@@ -173,7 +174,7 @@ async def completions(request: Request) -> Response:
     body.refuse("suffix", "is not supported (no fill-in-the-middle)", allowed=("",))
     body.finish(HARMLESS)
     encoded = [p if isinstance(p, list) else await state.encode(p) for p in prompts]
-    generation = state.submit([(ids, (), options.params) for ids in encoded])
+    generation = state.submit([(ids, (), options.params) for ids in encoded], api_key(request))
     reply = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time())}
     reply["model"] = state.model_id
     if options.stream:
@@ -273,7 +274,7 @@ async def chat_completions(request: Request) -> Response:
     params = options.params
     if options.max_tokens is None:
         params = dataclasses.replace(params, max_tokens=max(1, state.max_model_len - len(ids)))
-    generation = state.submit([(ids, hints, params)])
+    generation = state.submit([(ids, hints, params)], api_key(request))
     parse = {"reasoning": state.opens_thinking(ids), "tools": tools is not None, "schemas": tool_schemas(tools)}
     reply = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time())}
     reply["model"] = state.model_id

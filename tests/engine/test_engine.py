@@ -143,6 +143,26 @@ def test_32_concurrent_requests_under_a_tight_budget_match_running_alone(chat_mo
     assert tight.engine.metrics().get("preemptions", 0) >= 1  # the budget really was too small
 
 
+def test_a_request_is_queued_exactly_while_it_waits_preempted_included(chat_model: tuple[Path, Any]) -> None:
+    """`Request.queued` (what the server counts per API key) follows the engine's own waiting list."""
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (int(n),), generator=gen).tolist() for n in torch.randint(40, 120, (8,))]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    spec = make_llm(chat_model).cm.cache.spec
+    tight = make_llm(chat_model, max_model_len=160, block_size=4, kv_bytes=120 * 4 * spec.kv_bytes_per_token)
+    requests = [tight.submit(p, params) for p in prompts]
+    assert all(r.queued for r in requests)
+    requeued = 0
+    while not all(r.finished for r in requests):
+        tight.engine.step()
+        waiting = set(map(id, tight.engine.waiting))
+        for r in requests:
+            if not r.finished:
+                assert r.queued == (id(r) in waiting), r.request_id
+                requeued += r.queued and r.usage.preemptions > 0
+    assert requeued > 0  # a preempted request was counted as waiting again
+
+
 def test_tiny_snapshot_budget_degrades_to_recompute_never_to_wrong_answers(chat_model: tuple[Path, Any]) -> None:
     llm = make_llm(chat_model, snapshot_bytes=0)
     reference = make_llm(chat_model, prefix_caching=False)

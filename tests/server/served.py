@@ -1,4 +1,5 @@
-"""A real uvicorn server on a free loopback port, in a background thread, and clients for it."""
+"""A real uvicorn server on a free loopback port, in a background thread, and clients for it
+(sending `key` as a bearer API key when the server has keys)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import openai
 from hybridkv import CacheConfig
 from hybridkv.engine.engine import EngineConfig
 from hybridkv.engine.llm import LLM
+from hybridkv.server.auth import Access
 from hybridkv.server.serve import GracefulServer, make_server
 
 MODEL = "tiny-chat"
@@ -26,22 +28,27 @@ class Served:
     llm: LLM
     url: str
     server: GracefulServer
+    key: str | None = None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.key}"} if self.key else {}
 
     def openai(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.key or "unused", max_retries=0, timeout=60)
 
     def async_openai(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=self.key or "unused", max_retries=0, timeout=60)
 
     def ollama(self) -> ollama.Client:
-        return ollama.Client(host=self.url, timeout=60)
+        return ollama.Client(host=self.url, timeout=60, headers=self.headers)
 
     def http(self) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=60)
+        return httpx.Client(base_url=self.url, timeout=60, headers=self.headers)
 
     def metrics(self) -> dict[str, float]:
         """/metrics as {'name{labels}': value}."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        text = httpx.get(f"{self.url}/metrics", timeout=10, headers=self.headers).text
         samples = [line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#")]
         return {name: float(value) for name, value in samples}
 
@@ -56,18 +63,23 @@ class Served:
         raise AssertionError(f"the engine is still busy after {timeout} s")
 
 
-def start(llm: LLM, grace: float = 1.0) -> tuple[Served, threading.Thread]:
+def start(
+    llm: LLM, grace: float = 1.0, access: Access | None = None, key: str | None = None, **uvicorn_options: object
+) -> tuple[Served, threading.Thread]:
+    """Serve `llm` on loopback; with `access` (keys, limits) and uvicorn options (TLS), if given."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = make_server(llm, MODEL, "127.0.0.1", port, grace=grace, log_level="warning")
+    uvicorn_options.setdefault("log_level", "warning")
+    server = make_server(llm, MODEL, "127.0.0.1", port, grace=grace, access=access, **uvicorn_options)
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.01)
-    return Served(llm, f"http://127.0.0.1:{port}", server), thread
+    scheme = "https" if uvicorn_options.get("ssl_certfile") else "http"
+    return Served(llm, f"{scheme}://127.0.0.1:{port}", server, key), thread
 
 
 def stop(served: Served, thread: threading.Thread) -> None:
