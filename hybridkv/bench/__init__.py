@@ -74,7 +74,7 @@ def add_parser(commands: Any) -> None:
     bench.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and compute (float32)")
     bench.add_argument(
         "--quantize",
-        choices=["q8_0"],
+        choices=["q4_k", "q6_k", "q8_0"],
         help="hybridkv quantizes the weights at load (transformers keeps --dtype): the ratio of what a user of each "
         "engine runs",
     )

@@ -4,8 +4,9 @@ file's are (`ops.quant.linear`).
 What is quantized follows llama.cpp's choices for a whole-file type: every projection, the
 experts, the embedding and the head; the norms, the Gated DeltaNet's small tensors (conv, A, dt,
 norm) and the MoE router with its shared-expert gate stay float (llama.cpp keeps `ffn_gate_inp*`
-in F32). A projection whose rows do not split into whole blocks stays float, where llama.cpp
-would fall back to another type.
+in F32). A projection whose rows do not split into whole blocks of the type (256 weights for the
+K-quants) falls back to Q8_0 (llama.cpp's fallback for Q6_K; for Q4_K it takes Q5_0, which has
+no kernel here), or stays float when rows are not a multiple of 32 either.
 """
 
 from __future__ import annotations
@@ -28,9 +29,12 @@ def quantize_type(name: str) -> GGMLType:
 
 
 def _blocks(w: torch.Tensor, type_id: GGMLType) -> Part:
-    """A float weight [.., in, out] (our layout) → `QuantizedWeight` [.., out, in] when rows fit."""
+    """A float weight [.., in, out] (our layout) → `QuantizedWeight` [.., out, in] in the type, or
+    Q8_0 where rows do not fit it; float where they fit neither."""
     if not fits(type_id, w.shape[-2]):
-        return w
+        if type_id == GGMLType.Q8_0 or not fits(GGMLType.Q8_0, w.shape[-2]):
+            return w
+        type_id = GGMLType.Q8_0
     rows = w.detach().transpose(-1, -2)
     return QuantizedWeight.of(quantize(rows, type_id), type_id, tuple(rows.shape))
 
@@ -82,6 +86,8 @@ def quantize_model(model: Qwen3NextModel, type_id: GGMLType) -> Qwen3NextModel:
         if model.lm_head is not None:
             _linear(model, "lm_head", type_id)
         embed = model.embed
-        if isinstance(embed, torch.nn.Parameter) and fits(type_id, embed.shape[1]):
-            _replace(model, "embed", QuantizedWeight.of(quantize(embed.detach(), type_id), type_id, tuple(embed.shape)))
+        if isinstance(embed, torch.nn.Parameter):
+            part = _blocks(embed.detach().T, type_id)  # [V, D] as the file keeps it
+            if isinstance(part, QuantizedWeight):
+                _replace(model, "embed", part)
     return model

@@ -10,9 +10,9 @@ from tiny import TinyCache
 
 from hybridkv.default_model import default_model_dir
 from hybridkv.models import load_model
-from hybridkv.ops.quant import QuantizedWeight
+from hybridkv.ops.quant import QuantizedWeight, dequantize
 from hybridkv.ops.quant.linear import QuantExperts, QuantLinear, float_activations
-from hybridkv.ops.quant.quantize import quantize_q8_0
+from hybridkv.ops.quant.quantize import quantize_q4_k, quantize_q6_k, quantize_q8_0
 
 gguf = pytest.importorskip("gguf")
 
@@ -33,6 +33,39 @@ def test_q8_0_blocks_are_llama_cpps_bit_for_bit():
         quantize_q8_0(torch.zeros(2, 48))
 
 
+@pytest.mark.parametrize(("quantize", "type_id", "bound"), [(quantize_q4_k, 12, 0.08), (quantize_q6_k, 14, 0.02)])
+def test_k_quant_blocks_by_llama_cpps_algorithm(quantize, type_id, bound):
+    gen = torch.Generator().manual_seed(type_id)
+    w = torch.randn(6, 512, generator=gen) * torch.rand(6, 1, generator=gen) * 3
+    w[0, :256] = 0  # a zero super-block
+    w[1, 256:] = torch.rand(256, generator=gen) + 1  # all positive: the min is clamped to 0
+    w[2, 256:] *= 1e-3
+    blocks = quantize(w)
+    assert blocks.shape == (6, 2 * {12: 144, 14: 210}[type_id]) and blocks.dtype == torch.uint8
+    back = dequantize(blocks, type_id)
+    assert torch.equal(back[0, :256], torch.zeros(256))
+    for row in range(1, 6):
+        err = (back[row] - w[row]).pow(2).mean().sqrt() / w[row].pow(2).mean().sqrt()
+        assert err <= bound, (row, float(err))
+    if type_id == 12:  # the scale and min search beats min-max rounding with exact scales
+        assert (back[3:] - w[3:]).pow(2).mean() < naive_error(w[3:], 32, 15)
+    if type_id == 14:  # the super-block's largest |sub-block scale| is quantized to exactly -128
+        sc = blocks.view(-1, 210)[:, 192:208].contiguous().view(torch.int8)
+        assert (sc[1:].int().amin(-1) == -128).all()  # (super-block 0 is the zero one)
+    # and the product on them is the product on their dequantized weights
+    x = torch.randn(3, 512, generator=gen)
+    got = QuantizedWeight.of(blocks, type_id).matmul(x)
+    assert torch.allclose(got, x @ back.T, rtol=0.02, atol=0.05 * float((x @ back.T).abs().max()))
+
+
+def naive_error(w: torch.Tensor, sub: int, levels: int) -> float:
+    """Mean squared error of rounding each sub-block between its min and max in `levels` steps."""
+    s = w.reshape(-1, sub)
+    lo, hi = s.amin(-1, keepdim=True), s.amax(-1, keepdim=True)
+    step = (hi - lo).clamp_min(1e-12) / levels
+    return float((torch.round((s - lo) / step) * step + lo - s).pow(2).mean())
+
+
 def held(model) -> dict[str, QuantizedWeight | QuantLinear | QuantExperts]:
     out = {}
     for prefix, module in model.named_modules():
@@ -48,8 +81,9 @@ def run(model, tokens: list[int]) -> torch.Tensor:
     return torch.cat([*out, *(cache.run(model, [(0, [t])])[0] for t in tokens[-3:])])
 
 
-def test_a_quantized_model_computes_on_its_rounded_weights():
-    quantized = load_model(default_model_dir(), quantize="q8_0")
+@pytest.mark.parametrize("kind", ["q8_0", "q4_k", "q6_k"])
+def test_a_quantized_model_computes_on_its_rounded_weights(kind):
+    quantized = load_model(default_model_dir(), quantize=kind)
     blocks = held(quantized)
     # every projection, the experts and the embedding (tied head); the router stays a float part
     assert "embed" in blocks and isinstance(blocks["layers.0.ffn.gate_up"], QuantExperts)
@@ -58,6 +92,9 @@ def test_a_quantized_model_computes_on_its_rounded_weights():
     assert isinstance(gate_in.parts[0], torch.Tensor) and gate_in.parts[0].shape[1] == quantized.config.num_experts + 1
     numel, nbytes = quantized.weight_sizes()
     assert nbytes < 0.3 * 4 * numel
+    # rows of 256 take the K-quant; the default model's 192-wide rows fall back to Q8_0
+    types = {p.btype.name for w in blocks.values() for p in getattr(w, "parts", (w,)) if isinstance(p, QuantizedWeight)}
+    assert types == ({"Q8_0"} if kind == "q8_0" else {"Q8_0", kind.upper()})
 
     # the float model with each quantized weight replaced by its dequantized blocks
     reference = load_model(default_model_dir())
@@ -72,10 +109,12 @@ def test_a_quantized_model_computes_on_its_rounded_weights():
     ours = run(quantized, tokens)  # 8-bit activations on the trained model: the same tokens win
     assert (ours.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
     assert (ours - want).abs().max() <= 0.05 * want.abs().max()
+    original = run(load_model(default_model_dir()), tokens)  # and near the float model
+    assert (ours.argmax(-1) == original.argmax(-1)).float().mean() >= (0.9 if kind != "q4_k" else 0.75)
 
 
 def test_a_type_that_cannot_be_made_is_named():
-    with pytest.raises(ValueError, match="--quantize 'q2_k'.*q8_0"):
+    with pytest.raises(ValueError, match="--quantize 'q2_k'.*q8_0, q4_k, q6_k"):
         load_model(default_model_dir(), quantize="q2_k")
 
 

@@ -3,16 +3,32 @@
 Q8_0 (`quantize_row_q8_0_ref` in ggml-quants.c): per block of 32, d = max|x| / 127 in float32,
 q = roundf(x · (1/d)) (halves away from zero; 0 where d = 0), d stored as float16. Bit-identical
 to llama.cpp's and gguf-py's (`gguf.quants.quantize`) blocks.
+
+Q4_K and Q6_K follow `quantize_row_q4_K_ref` / `quantize_row_q6_K_ref` (what `llama-quantize`
+runs without an importance matrix), vectorized over sub-blocks: Q6_K picks each 16-weight
+sub-block's scale by `make_qx_quants` (the best of 19 trial scales by weighted least squares,
+weights x²), Q4_K each 32-weight sub-block's scale and min by `make_qkx2_quants` (21 trial
+scales, weights rms(x) + |x|); both then quantize the sub-block scales against the super-block's
+largest (to 8 and 6 bits) and the weights against the rounded scales. The sums here run in
+PyTorch's order, not the C loop's, so a near-tie between two trial scales can resolve the other
+way: the blocks are valid and as accurate, not always byte-identical to llama.cpp's. A sub-block
+whose rounded scale is 0 gets codes for 0 (llama.cpp leaves its trial codes; both dequantize
+the same).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
 from hybridkv.ops.quant.traits import GGMLType
 
-QUANTIZE_TYPES = {"q8_0": GGMLType.Q8_0}
+QUANTIZE_TYPES = {"q8_0": GGMLType.Q8_0, "q4_k": GGMLType.Q4_K, "q6_k": GGMLType.Q6_K}
 _ROWS_AT_ONCE = 4096  # rows quantized at once: bounds the temporaries
+_WEIGHTS_AT_ONCE = 1 << 18  # K-quants: weights quantized at once (their trial loops keep a few copies)
+_BLOCK_ELEMS = {GGMLType.Q8_0: 32, GGMLType.Q4_K: 256, GGMLType.Q6_K: 256}
+GROUP_MAX_EPS = 1e-15
 
 
 def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:
@@ -33,13 +49,169 @@ def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:
     return out.reshape(*w.shape[:-1], K // 32 * 34)
 
 
+def _nearest(x: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's `nearest_int`: round to nearest, ties to even (its float trick), as int32."""
+    return torch.round(x).to(torch.int32)
+
+
+def _f16(x: torch.Tensor) -> torch.Tensor:
+    return x.half().float()
+
+
+def _qx_scale(x: torch.Tensor, nmax: int) -> torch.Tensor:
+    """`make_qx_quants(n, nmax, x, L, rmse_type=1, NULL)`'s scale for each row of x [S, n]."""
+    at = x.abs().argmax(-1, keepdim=True)
+    peak = x.gather(-1, at)  # the first element of largest |x|, with its sign
+    zero = x.abs().amax(-1, keepdim=True) < GROUP_MAX_EPS
+    peak = torch.where(zero, torch.ones_like(peak), peak)
+    w = x * x
+
+    def trial(iscale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q = _nearest(iscale * x).clamp(-nmax, nmax - 1).float()
+        return (w * x * q).sum(-1, keepdim=True), (w * q * q).sum(-1, keepdim=True)
+
+    sumlx, suml2 = trial(-nmax / peak)
+    scale = torch.where(suml2 > 0, sumlx / suml2.clamp_min(1e-30), torch.zeros_like(sumlx))
+    best = scale * sumlx
+    for step in (*range(-9, 0), *range(1, 10)):
+        lx, l2 = trial(-(nmax + 0.1 * step) / peak)
+        better = (l2 > 0) & (lx * lx > best * l2)
+        scale = torch.where(better, lx / l2.clamp_min(1e-30), scale)
+        best = torch.where(better, scale * lx, best)
+    return torch.where(zero, torch.zeros_like(scale), scale).squeeze(-1)
+
+
+def _qkx2_scale_min(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`make_qkx2_quants(n, nmax, x, weights, ..., rmin=-1, rdelta=0.1, nstep=20, use_mad=false)`
+    with Q4_K's weights rms(x) + |x|, for each row of x [S, n] → (scale, −min) [S]."""
+    w = torch.sqrt((x * x).sum(-1, keepdim=True) / x.shape[-1]) + x.abs()
+    lo = x.amin(-1, keepdim=True).clamp(max=0)
+    hi = x.amax(-1, keepdim=True)
+    flat = hi == lo
+    span = torch.where(flat, torch.ones_like(hi), hi - lo)
+    sum_w, sum_x = w.sum(-1, keepdim=True), (w * x).sum(-1, keepdim=True)
+
+    def codes(iscale: torch.Tensor) -> torch.Tensor:
+        return _nearest(iscale * (x - lo)).clamp(0, nmax).float()
+
+    def error(scale: torch.Tensor, minimum: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        diff = scale * q + minimum - x
+        return (w * diff * diff).sum(-1, keepdim=True)
+
+    iscale = nmax / span
+    scale, minimum = 1 / iscale, lo
+    best = error(scale, minimum, codes(iscale))
+    for step in range(21):
+        q = codes((-1.0 + 0.1 * step + nmax) / span)
+        sum_l, sum_l2, sum_xl = (
+            (w * q).sum(-1, keepdim=True),
+            (w * q * q).sum(-1, keepdim=True),
+            (w * q * x).sum(-1, keepdim=True),
+        )
+        D = sum_w * sum_l2 - sum_l * sum_l
+        ok = D > 0
+        Ds = torch.where(ok, D, torch.ones_like(D))
+        this_scale = (sum_w * sum_xl - sum_x * sum_l) / Ds
+        this_min = (sum_l2 * sum_x - sum_l * sum_xl) / Ds
+        positive = this_min > 0
+        this_scale = torch.where(positive, sum_xl / sum_l2.clamp_min(1e-30), this_scale)
+        this_min = torch.where(positive, torch.zeros_like(this_min), this_min)
+        cur = error(this_scale, this_min, q)
+        better = ok & (cur < best)
+        best = torch.where(better, cur, best)
+        scale = torch.where(better, this_scale, scale)
+        minimum = torch.where(better, this_min, minimum)
+    scale = torch.where(flat, torch.zeros_like(scale), scale)
+    return scale.squeeze(-1), (-minimum).squeeze(-1)
+
+
+def _q6_k(x: torch.Tensor) -> torch.Tensor:
+    """x [B, 256] → Q6_K blocks uint8 [B, 210]."""
+    B = x.shape[0]
+    scales = _qx_scale(x.reshape(B * 16, 16), 32).view(B, 16)
+    at = scales.abs().argmax(-1, keepdim=True)
+    max_scale = scales.gather(-1, at)
+    zero = max_scale.abs() < GROUP_MAX_EPS
+    iscale = torch.where(
+        zero, torch.zeros_like(max_scale), -128.0 / torch.where(zero, torch.ones_like(max_scale), max_scale)
+    )
+    d = _f16(torch.where(zero, torch.zeros_like(iscale), 1 / torch.where(zero, torch.ones_like(iscale), iscale)))
+    sc = _nearest(iscale * scales).clamp(max=127)  # [B, 16] (≥ -128 by construction)
+    dd = (d * sc.float()).unsqueeze(-1)  # [B, 16, 1]
+    sub = x.view(B, 16, 16)
+    L = (_nearest(sub / torch.where(dd == 0, torch.ones_like(dd), dd)).clamp(-32, 31) + 32).where(dd != 0, 32)
+    L = L.view(B, 2, 4, 32).to(torch.uint8)  # per 128-half: 4 runs of 32
+    low = L & 0xF
+    ql = torch.cat([low[:, :, 0] | (low[:, :, 2] << 4), low[:, :, 1] | (low[:, :, 3] << 4)], dim=-1)  # [B, 2, 64]
+    qh = (L[:, :, 0] >> 4) | ((L[:, :, 1] >> 4) << 2) | ((L[:, :, 2] >> 4) << 4) | ((L[:, :, 3] >> 4) << 6)
+    out = torch.empty(B, 210, dtype=torch.uint8)
+    out[:, :128] = ql.reshape(B, 128)
+    out[:, 128:192] = qh.reshape(B, 64)
+    out[:, 192:208] = sc.to(torch.int8).view(torch.uint8)
+    out[:, 208:] = d.half().view(torch.uint8).view(B, 2)
+    return torch.where(zero.expand(B, 210), torch.zeros_like(out), out)
+
+
+def _q4_k(x: torch.Tensor) -> torch.Tensor:
+    """x [B, 256] → Q4_K blocks uint8 [B, 144]."""
+    B = x.shape[0]
+    scales, mins = (t.view(B, 8) for t in _qkx2_scale_min(x.reshape(B * 8, 32), 15))
+    max_scale, max_min = scales.amax(-1, keepdim=True).clamp_min(0), mins.amax(-1, keepdim=True).clamp_min(0)
+    inv_scale = torch.where(max_scale > 0, 63.0 / max_scale.clamp_min(1e-30), torch.zeros_like(max_scale))
+    inv_min = torch.where(max_min > 0, 63.0 / max_min.clamp_min(1e-30), torch.zeros_like(max_min))
+    ls = _nearest(inv_scale * scales).clamp(max=63).to(torch.uint8)
+    lm = _nearest(inv_min * mins).clamp(max=63).to(torch.uint8)
+    packed = torch.empty(B, 12, dtype=torch.uint8)
+    packed[:, 0:4] = ls[:, :4] | ((ls[:, 4:] >> 4) << 6)
+    packed[:, 4:8] = lm[:, :4] | ((lm[:, 4:] >> 4) << 6)
+    packed[:, 8:12] = (ls[:, 4:] & 0xF) | ((lm[:, 4:] & 0xF) << 4)
+    d, dmin = _f16(max_scale / 63), _f16(max_min / 63)
+    dd = (d * ls.float()).unsqueeze(-1)  # [B, 8, 1]
+    dm = (dmin * lm.float()).unsqueeze(-1)
+    sub = x.view(B, 8, 32)
+    L = _nearest((sub + dm) / torch.where(dd == 0, torch.ones_like(dd), dd)).clamp(0, 15).where(dd != 0, 0)
+    L = L.view(B, 4, 2, 32).to(torch.uint8)
+    out = torch.empty(B, 144, dtype=torch.uint8)
+    out[:, 0:2] = d.half().view(torch.uint8).view(B, 2)
+    out[:, 2:4] = dmin.half().view(torch.uint8).view(B, 2)
+    out[:, 4:16] = packed
+    out[:, 16:] = (L[:, :, 0] | (L[:, :, 1] << 4)).reshape(B, 128)
+    return out
+
+
+def _k_quantize(w: torch.Tensor, block: Callable[[torch.Tensor], torch.Tensor], block_bytes: int) -> torch.Tensor:
+    K = w.shape[-1]
+    if K % 256:
+        raise ValueError(f"K-quants need rows of a multiple of 256 weights, got {K}")
+    flat = w.reshape(-1, 256)
+    out = torch.empty(flat.shape[0], block_bytes, dtype=torch.uint8)
+    step = _WEIGHTS_AT_ONCE // 256
+    for r in range(0, flat.shape[0], step):
+        out[r : r + step] = block(flat[r : r + step].float())
+    return out.reshape(*w.shape[:-1], K // 256 * block_bytes)
+
+
+def quantize_q6_k(w: torch.Tensor) -> torch.Tensor:
+    """w [..., K] (K a multiple of 256) → Q6_K rows uint8 [..., K/256·210]."""
+    return _k_quantize(w, _q6_k, 210)
+
+
+def quantize_q4_k(w: torch.Tensor) -> torch.Tensor:
+    """w [..., K] (K a multiple of 256) → Q4_K rows uint8 [..., K/256·144]."""
+    return _k_quantize(w, _q4_k, 144)
+
+
 def fits(type_id: GGMLType, in_features: int) -> bool:
     """Whether rows of `in_features` weights split into whole blocks of the type."""
-    return in_features % {GGMLType.Q8_0: 32}[type_id] == 0
+    return in_features % _BLOCK_ELEMS[type_id] == 0
 
 
 def quantize(w: torch.Tensor, type_id: GGMLType) -> torch.Tensor:
     """w [..., K] → rows of blocks of `type_id` (one of QUANTIZE_TYPES)."""
     if type_id == GGMLType.Q8_0:
         return quantize_q8_0(w)
+    if type_id == GGMLType.Q4_K:
+        return quantize_q4_k(w)
+    if type_id == GGMLType.Q6_K:
+        return quantize_q6_k(w)
     raise ValueError(f"cannot quantize to {type_id.name}; hybridkv quantizes to {', '.join(QUANTIZE_TYPES)}")
