@@ -91,8 +91,8 @@ def _qkx2_scale_min(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Ten
     span = torch.where(flat, torch.ones_like(hi), hi - lo)
     sum_w, sum_x = w.sum(-1, keepdim=True), (w * x).sum(-1, keepdim=True)
 
-    def codes(iscale: torch.Tensor) -> torch.Tensor:
-        return _nearest(iscale * (x - lo)).clamp(0, nmax).float()
+    def codes(iscale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+        return _nearest(iscale * (x - minimum)).clamp(0, nmax).float()
 
     def error(scale: torch.Tensor, minimum: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         diff = scale * q + minimum - x
@@ -100,9 +100,11 @@ def _qkx2_scale_min(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Ten
 
     iscale = nmax / span
     scale, minimum = 1 / iscale, lo
-    best = error(scale, minimum, codes(iscale))
+    best = error(scale, minimum, codes(iscale, minimum))
     for step in range(21):
-        q = codes((-1.0 + 0.1 * step + nmax) / span)
+        # as the C loop: each trial starts from the best min so far (it moves when a trial wins)
+        width = hi - minimum
+        q = codes((-1.0 + 0.1 * step + nmax) / torch.where(width > 0, width, torch.ones_like(width)), minimum)
         sum_l, sum_l2, sum_xl = (
             (w * q).sum(-1, keepdim=True),
             (w * q * q).sum(-1, keepdim=True),
@@ -156,7 +158,10 @@ def _q4_k(x: torch.Tensor) -> torch.Tensor:
     """x [B, 256] → Q4_K blocks uint8 [B, 144]."""
     B = x.shape[0]
     scales, mins = (t.view(B, 8) for t in _qkx2_scale_min(x.reshape(B * 8, 32), 15))
-    max_scale, max_min = scales.amax(-1, keepdim=True).clamp_min(0), mins.amax(-1, keepdim=True).clamp_min(0)
+    # the C loop starts both at +0 and takes only larger values: never -0
+    max_scale, max_min = (
+        torch.where(t > 0, t, 0.0) for t in (scales.amax(-1, keepdim=True), mins.amax(-1, keepdim=True))
+    )
     inv_scale = torch.where(max_scale > 0, 63.0 / max_scale.clamp_min(1e-30), torch.zeros_like(max_scale))
     inv_min = torch.where(max_min > 0, 63.0 / max_min.clamp_min(1e-30), torch.zeros_like(max_min))
     ls = _nearest(inv_scale * scales).clamp(max=63).to(torch.uint8)
