@@ -63,7 +63,8 @@ def routed_experts(
     first), down [E, I, D]. The (token, expert) pairs are sorted by expert and each expert runs one
     SwiGLU over its contiguous run of rows (torch._grouped_mm is slower on CPU: its per-group
     products run on one thread), then a weighted scatter-add brings them back to their tokens.
-    Experts in a file's blocks (`QuantExperts`) run the same loop on each expert's block products.
+    Experts in a file's blocks (`QuantExperts`): a decode step's (token, expert) pairs in one
+    kernel call per projection (`pairs_matmul`), more pairs the same loop on each expert's blocks.
     """
     top_k = experts.shape[1]
     weights = weights.to(x.dtype)
