@@ -37,9 +37,11 @@ against a third party without building anything at test time.
    router probability over all layers and tokens), then each file's metadata and tensors (name,
    type, ggml shape), read back with the PyPI gguf-py.
 
-Not here (a follow-up): K-quants (Q4_K, Q5_K, Q6_K) and the fallback types of a Q4_K_M mixture.
-gguf-py cannot write them; they need llama.cpp's compiled quantizer (`llama-quantize`, or
-`llama_model_quantize` in a built llama-cpp-python).
+5. K-quants, with `--quantizer` (an installed llama-cpp-python, built from the same sdist):
+   `qwen35moe-k-q4_k_m.gguf`, llama.cpp's own Q4_K_M mixture (`llama_model_quantize`, ftype 15,
+   no importance matrix) of a Qwen3.5 MoE whose every projection has rows of 256 (hidden 256, 64-wide
+   heads, expert width 256), so its projections are Q4_K and Q6_K blocks rather than the fallback
+   types a narrower model gets; its F32 conversion is not kept. gguf-py cannot write K-quants.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
 from hf_reference import make_hf_model, save_checkpoint  # noqa: E402
-from qwen35_reference import make_qwen35, save_qwen35  # noqa: E402
+from qwen35_reference import TINY_MOE, TINY_TEXT, TINY_VISION, make_qwen35, save_qwen35  # noqa: E402
 from qwen35_tokenizer import COMPACT_VOCAB, write_qwen35_tokenizer  # noqa: E402
 
 SDIST = "llama-cpp-python==0.3.36"
@@ -146,6 +148,45 @@ def qwen35_checkpoint(path: Path, moe: bool) -> tuple[Any, list[int]]:
     return model, _encode(path)
 
 
+def qwen35_k_checkpoint(path: Path) -> tuple[Any, list[int]]:
+    """A Qwen3.5 MoE vision-language checkpoint whose projections all have rows of 256 weights."""
+    text = {**TINY_TEXT, **TINY_MOE}
+    text.update(
+        hidden_size=256,
+        head_dim=64,
+        linear_key_head_dim=32,
+        linear_value_head_dim=64,
+        moe_intermediate_size=256,
+        shared_expert_intermediate_size=256,
+        vocab_size=COMPACT_VOCAB,
+        tie_word_embeddings=False,
+    )
+    text["rope_parameters"] = dict(text["rope_parameters"], mrope_section=[8, 4, 4])  # 64-wide heads
+    config = transformers.Qwen3_5MoeConfig(
+        text_config=text, vision_config=dict(TINY_VISION, out_hidden_size=256), tie_word_embeddings=False
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5MoeForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "visual" not in name and name.endswith(("norm.weight", "layernorm.weight", "A_log", "dt_bias")):
+                param.add_(torch.empty_like(param).uniform_(-0.5, 0.5))
+    save_qwen35(model, path)
+    write_qwen35_tokenizer(path, compact=True)
+    return model, _encode(path)
+
+
+def llama_quantize(src: Path, dst: Path, ftype: int) -> None:
+    """llama.cpp's own quantizer on a GGUF file (`llama_model_quantize` of llama-cpp-python)."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params) != 0:
+        raise SystemExit(f"llama_model_quantize failed on {src}")
+
+
 def _encode(path: Path) -> list[int]:
     return list(transformers.AutoTokenizer.from_pretrained(path).encode(PROMPT, add_special_tokens=False))
 
@@ -192,6 +233,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sdist", type=Path, help=f"{SDIST} as .tar.gz or extracted (default: pip download it)")
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument(
+        "--quantizer", action="store_true", help="also write the K-quant fixture (needs llama-cpp-python installed)"
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -217,6 +261,20 @@ def main() -> None:
             for outtype in outtypes:
                 files.append(args.out / f"{name}-{outtype}.gguf")
                 convert(llama, checkpoint, files[-1], outtype, pre, extra)
+        if args.quantizer:
+            name = "qwen35moe-k"
+            model, tokens = qwen35_k_checkpoint(work / name)
+            logits, margin = golden_logits(model, tokens)
+            save_file(
+                {"tokens": torch.tensor(tokens), "logits": logits.contiguous()},
+                str(args.out / f"{name}.logits.safetensors"),
+            )
+            goldens.append(
+                f"{name}.logits.safetensors: tokens {tokens}, logits {list(logits.shape)}, min_topk_margin {margin:.6f}"
+            )
+            convert(llama, work / name, work / f"{name}-f32.gguf", "f32", "qwen35", ["--no-mtp"])
+            files.append(args.out / f"{name}-q4_k_m.gguf")
+            llama_quantize(work / f"{name}-f32.gguf", files[-1], 15)  # LLAMA_FTYPE_MOSTLY_Q4_K_M
     header = [
         f"# GGUF fixtures written by {version}'s convert_hf_to_gguf.py (scripts/make_gguf_fixtures.py)",
         "",
