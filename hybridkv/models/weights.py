@@ -43,8 +43,8 @@ class InsufficientMemory(MemoryError):
     """Weights plus cache would not fit in available memory; the message gives the numbers
     (`numbers`, without the advice, for a command line to advise in its own flags)."""
 
-    def __init__(self, numbers: str, advice: str) -> None:
-        super().__init__(f"{numbers}; {advice}")
+    def __init__(self, numbers: str, advice: str = "") -> None:
+        super().__init__(f"{numbers}; {advice}" if advice else numbers)
         self.numbers = numbers
 
 
