@@ -142,3 +142,42 @@ def test_score_tokens_ranks_ties_and_bounds() -> None:
     assert second.logprob == pytest.approx(-float(torch.log(torch.tensor(4.0))))
     with pytest.raises(ValueError, match="R = 1"):
         score_tokens(logits, [1], top=1)
+
+
+def test_a_scoring_request_preempted_mid_prompt_is_scored_again_from_the_start(
+    chat_model: tuple[Path, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decodes while B computes its scored prompt in chunks of 8; A's growth fills the KV blocks
+    before B's prompt is done, so B (the newest) is preempted mid-prompt and later recomputed."""
+    monkeypatch.setattr(engine_module, "SCORED_ROWS_PER_STEP", 8)
+    gen = torch.Generator().manual_seed(1)
+    a, b = (torch.randint(0, 256, (n,), generator=gen).tolist() for n in (36, 100))
+    decode = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    scoring = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    alone = score(make_llm(chat_model), b, scoring)
+
+    spec = make_llm(chat_model).cm.cache.spec
+    cache = CacheConfig(max_sequences=9, max_model_len=128, block_size=4, kv_bytes=36 * 4 * spec.kv_bytes_per_token)
+    tight = LLM(chat_model[0], cache=cache, engine=EngineConfig(max_num_seqs=4))
+    scoring_when_preempted: list[bool] = []
+    relieve = tight.engine._relieve_pressure
+
+    def record() -> None:
+        scoring_when_preempted.extend(r.scoring_prompt for r in tight.engine.running[1:])
+        relieve()
+
+    monkeypatch.setattr(tight.engine, "_relieve_pressure", record)
+    first, second = tight.submit(a, decode), tight.submit(b, scoring)
+    tight.engine.run_until_done()
+    tight.cm.cache.check_integrity()
+    assert True in scoring_when_preempted and second.usage.preemptions >= 1
+    assert second.usage.computed_tokens > len(b)  # scored again from the start
+    out = second.output()
+    assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert first.output().outputs[0].finish_reason == "length"
+    assert out.prompt_logprobs is not None and alone.prompt_logprobs is not None
+    assert len(out.prompt_logprobs) == len(b) and out.prompt_logprobs[0] is None
+    for got, ref in zip(out.prompt_logprobs[1:], alone.prompt_logprobs[1:], strict=True):
+        assert got is not None and ref is not None
+        assert (got.token_id, got.rank, [t for t, _ in got.top]) == (ref.token_id, ref.rank, [t for t, _ in ref.top])
+        assert got.logprob == pytest.approx(ref.logprob, abs=TOL)
