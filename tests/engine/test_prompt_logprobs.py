@@ -181,3 +181,18 @@ def test_a_scoring_request_preempted_mid_prompt_is_scored_again_from_the_start(
         assert got is not None and ref is not None
         assert (got.token_id, got.rank, [t for t, _ in got.top]) == (ref.token_id, ref.rank, [t for t, _ in ref.top])
         assert got.logprob == pytest.approx(ref.logprob, abs=TOL)
+
+
+def test_the_default_model_scores_prompts_as_transformers_does() -> None:
+    from transformers import Qwen3NextForCausalLM
+
+    from hybridkv.default_model import default_model_dir
+
+    llm = LLM(cache=CacheConfig(max_sequences=3, max_model_len=256), engine=EngineConfig(max_num_seqs=1))
+    ids = llm.encode("The function returns a list of the values in the dictionary.")
+    out = score(llm, ids, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=3))
+    model = Qwen3NextForCausalLM.from_pretrained(default_model_dir(), torch_dtype=torch.float32).eval()
+    want = torch.log_softmax(hf_logits(model, ids), dim=-1)
+    assert out.prompt_logprobs is not None
+    assert_scores(out.prompt_logprobs, ids, want, 3)
+    assert sum(e.rank == 1 for e in out.prompt_logprobs[1:] if e is not None) >= len(ids) // 4  # a trained model
