@@ -120,21 +120,26 @@ class CachedModel:
     def feed(
         self,
         tokens: Mapping[int, Sequence[int]],
-        logits: LogitsMode = "all",
+        logits: LogitsMode | Mapping[int, LogitsMode] = "all",
         snapshot_at: Mapping[int, Iterable[int]] | None = None,
     ) -> dict[int, torch.Tensor]:
         """Append tokens to sequences in one forward; returns float32 CPU logits per sequence fed:
-        `[n, V]` for "all", `[1, V]` for "last", nothing for "none".
+        `[n, V]` for "all", `[1, V]` for "last", nothing for "none". `logits` is one mode for the
+        whole batch or a mode per sequence (a sequence not in the mapping gets "none").
 
         `snapshot_at` asks for extra snapshots after the given absolute positions (on top of the
         `snapshot_interval` policy). Raises ValueError (bad input) or CacheFull with nothing changed.
         """
-        if logits not in ("all", "last", "none"):
-            raise ValueError(f'logits must be "all", "last" or "none", got {logits!r}')
+        modes = {seq: logits for seq in tokens} if isinstance(logits, str) else dict(logits)
+        for mode in modes.values():
+            if mode not in ("all", "last", "none"):
+                raise ValueError(f'logits must be "all", "last" or "none", got {mode!r}')
         if not tokens:
             raise ValueError("feed needs at least one sequence with tokens")
+        if unfed := [seq for seq in modes if seq not in tokens]:
+            raise ValueError(f"logits asked for sequence {unfed[0]!r}, which is not fed")
         batch = {seq: self._validate_ids(seq, ids) for seq, ids in tokens.items()}
-        return self._forward(batch, logits, snapshot_at)
+        return self._forward(batch, {seq: modes.get(seq, "none") for seq in batch}, snapshot_at)
 
     def _validate_ids(self, seq: int, ids: Sequence[int]) -> list[int]:
         self._known(seq)
@@ -152,18 +157,18 @@ class CachedModel:
     def _forward(
         self,
         batch: dict[int, list[int]],
-        logits: LogitsMode,
+        logits: Mapping[int, LogitsMode],
         snapshot_at: Mapping[int, Iterable[int]] | None = None,
     ) -> dict[int, torch.Tensor]:
         fb = self.cache.begin_forward({seq: len(ids) for seq, ids in batch.items()}, snapshot_at)
         input_ids = torch.tensor([t for ids in batch.values() for t in ids], dtype=torch.int64)
-        ends = fb.cu_seqlens[1:]
-        if logits == "all":
-            indices = None
-        elif logits == "last":
-            indices = ends - 1
-        else:
-            indices = torch.empty(0, dtype=torch.int64)
+        rows: dict[int, range] = {}  # sequence -> its rows in the flat token order, where logits are wanted
+        for start, (seq, ids) in zip(fb.cu_seqlens[:-1].tolist(), batch.items(), strict=True):
+            end = start + len(ids)
+            if logits[seq] != "none":
+                rows[seq] = range(start, end) if logits[seq] == "all" else range(end - 1, end)
+        every = sum(len(r) for r in rows.values()) == len(input_ids)
+        indices = None if every else torch.tensor([i for r in rows.values() for i in r], dtype=torch.int64)
         try:
             with torch.inference_mode():
                 out = self.model(input_ids, fb, indices)
@@ -175,12 +180,11 @@ class CachedModel:
             self._tokens[seq].extend(ids)
         self._counters["tokens_computed"] += len(input_ids)
         self._counters["forwards"] += 1
-        if logits == "none":
-            return {}
-        if logits == "last":
-            return {seq: out[i : i + 1] for i, seq in enumerate(batch)}
-        starts = fb.cu_seqlens[:-1].tolist()
-        return {seq: out[s : s + len(ids)] for s, (seq, ids) in zip(starts, batch.items(), strict=True)}
+        result, at = {}, 0
+        for seq, r in rows.items():
+            result[seq] = out[at : at + len(r)]
+            at += len(r)
+        return result
 
     # -- fork / truncate ----------------------------------------------------------------------
 
@@ -222,7 +226,7 @@ class CachedModel:
     def _refeed(self, seq: int, ids: list[int]) -> None:
         if ids:
             self._counters["tokens_recomputed"] += len(ids)
-            self._forward({seq: ids}, "none")
+            self._forward({seq: ids}, {seq: "none"})
 
     def _count_restore(self, needed: bool, keep: int) -> None:
         if needed:

@@ -20,8 +20,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hybridkv.cache.config import BudgetTooSmall
 from hybridkv.errors import NotSupported
 from hybridkv.models.sources import resolve_model
+from hybridkv.models.weights import InsufficientMemory, format_bytes
 from hybridkv.ops.quant.quantize import QUANTIZE_TYPES
 
 if TYPE_CHECKING:
@@ -181,8 +183,29 @@ def llm_from_args(args: argparse.Namespace) -> LLM:
     )
     try:
         return LLM(source, dtype=args.dtype, cache=cache, engine=engine, quantize=args.quantize)
+    except BudgetTooSmall as e:
+        raise UsageError(_budget_message(args, e)) from None
+    except InsufficientMemory as e:
+        raise UsageError(
+            f"{e.numbers}: lower --cache-memory (or --max-model-len, --max-num-seqs, which size the default "
+            "cache), use --dtype bfloat16 or --quantize q8_0, or a machine with more memory"
+        ) from None
     except (ValueError, MemoryError) as e:
         raise UsageError(str(e)) from None
+
+
+def _budget_message(args: argparse.Namespace, error: BudgetTooSmall) -> str:
+    """A cache budget too small for one sequence, in the flags that set it: --cache-memory gives
+    70% to the KV blocks, so it needs `error.needed` / 0.7 (rounded up to a MiB)."""
+    if error.field != "kv_bytes" or not args.cache_memory:
+        return str(error)
+    least = -(-error.needed * 10 // 7)
+    mib = -(-least // (1 << 20))
+    return (
+        f"--cache-memory {args.cache_memory} is too small: one sequence of --max-model-len {args.max_model_len} "
+        f"needs {format_bytes(error.needed)} of KV blocks, which get 70% of the budget: give --cache-memory "
+        f"{mib}MiB or more, or lower --max-model-len"
+    )
 
 
 def _run_chat(args: argparse.Namespace) -> int:

@@ -9,6 +9,16 @@ from dataclasses import dataclass
 import torch
 
 
+class BudgetTooSmall(ValueError):
+    """A byte budget cannot hold one max-length sequence: `field` names the `CacheConfig` budget,
+    `needed` is the fewest bytes that would (a command line rewords it in its own flags)."""
+
+    def __init__(self, message: str, field: str, needed: int) -> None:
+        super().__init__(message)
+        self.field = field
+        self.needed = needed
+
+
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     """Cache settings; every field has a working default.
@@ -96,11 +106,13 @@ class PoolSizes:
         else:
             num_blocks = config.kv_bytes // block_bytes
         if num_blocks < blocks_per_sequence:
-            raise ValueError(
+            raise BudgetTooSmall(
                 f"CacheConfig.kv_bytes={config.kv_bytes} holds {num_blocks * config.block_size} tokens of KV "
                 f"({block_bytes} bytes per {config.block_size}-token block), but one sequence of "
                 f"max_model_len={config.max_model_len} needs {blocks_per_sequence * block_bytes} bytes: "
-                "raise kv_bytes or lower max_model_len"
+                "raise kv_bytes or lower max_model_len",
+                "kv_bytes",
+                blocks_per_sequence * block_bytes,
             )
         slot_bytes = spec.state_bytes_per_sequence
         if config.state_bytes is None or slot_bytes == 0:
@@ -108,9 +120,11 @@ class PoolSizes:
         else:
             num_slots = min(config.max_sequences, config.state_bytes // slot_bytes)
         if num_slots < 1:
-            raise ValueError(
+            raise BudgetTooSmall(
                 f"CacheConfig.state_bytes={config.state_bytes} cannot hold one sequence's recurrent state "
-                f"({slot_bytes} bytes): raise state_bytes"
+                f"({slot_bytes} bytes): raise state_bytes",
+                "state_bytes",
+                slot_bytes,
             )
         if config.snapshot_bytes is None:
             num_snapshots = config.max_sequences * config.snapshots_per_sequence

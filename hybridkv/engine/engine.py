@@ -5,6 +5,13 @@ prompt chunks under the token budget), the model runs one forward for all of it,
 results are sampled, checked for stops and streamed. Finished and cancelled sequences go into
 the prefix index, so the next request sharing a prefix (the next turn of a chat, a shared system
 prompt, the same prompt sent again after a disconnect) computes only what is new.
+
+Prompt logprobs (`SamplingParams.prompt_logprobs`) are recomputed, never reused: a request that
+asks for them computes its whole prompt in fresh forwards, because positions served from the
+prefix cache have KV and recurrent state but no logits, and keeping per-position logprobs (and
+top-k lists, for every k a later request might ask) beside every cached prefix would cost more
+memory than the recompute costs time. Every figure then comes from one forward over exactly the
+request's tokens. Its sequence still goes into the prefix index, so the requests after it reuse it.
 """
 
 from __future__ import annotations
@@ -20,14 +27,17 @@ from typing import Any
 
 import torch
 
-from hybridkv.cached_model import CachedModel
+from hybridkv.cached_model import CachedModel, LogitsMode
 from hybridkv.engine.prefix_index import PrefixIndex
 from hybridkv.engine.request import Branch, Completion, FinishReason, Request, StreamEvent
-from hybridkv.engine.sampling import RequestSampler, SamplingParams, StopChecker
+from hybridkv.engine.sampling import RequestSampler, SamplingParams, StopChecker, score_tokens
 from hybridkv.engine.tokenizer import IncrementalDecoder, Tokenizer
 from hybridkv.errors import CacheFull
 
 log = logging.getLogger("hybridkv.engine")
+# Prompt tokens a scoring request (prompt logprobs) feeds per step: its logits are [rows, V]
+# float32, 256 MB at a 248k vocabulary, whatever the token budget.
+SCORED_ROWS_PER_STEP = 256
 
 
 class QueueFull(RuntimeError):
@@ -181,12 +191,12 @@ class Engine:
     def step(self) -> None:
         self._drain_inbox()
         self._admit()
-        feeds, plan, snapshots = self._plan()
+        feeds, plan, snapshots, modes = self._plan()
         if not feeds:
             return
         try:
             with torch.inference_mode():
-                logits = self.cm.feed(feeds, logits="last", snapshot_at=snapshots)
+                logits = self.cm.feed(feeds, logits=modes, snapshot_at=snapshots)
         except CacheFull:
             self._relieve_pressure()
             return
@@ -196,14 +206,19 @@ class Engine:
             raise
         self.counters["steps"] += 1
         for request, branch, fed_backlog, fed_pending, sample in plan:
+            assert branch.seq is not None
+            rows = logits.get(branch.seq)
+            if modes[branch.seq] == "all":
+                assert rows is not None
+                self._score_prompt(request, self.cm.length(branch.seq) - len(rows), rows)
             del branch.backlog[:fed_backlog]
             request.usage.computed_tokens += fed_backlog
             self.counters["prompt_tokens_computed"] += fed_backlog
             if fed_pending:
                 branch.pending = None
             if sample:
-                assert branch.seq is not None
-                self._on_logits(request, branch, logits[branch.seq][0])
+                assert rows is not None
+                self._on_logits(request, branch, rows[-1])
 
     def _drain_inbox(self) -> None:
         with self._lock:
@@ -251,7 +266,7 @@ class Engine:
         """True while a running request is still computing a prompt prefix this one shares
         (two requests with one system prompt arriving together): once it has passed that point,
         this request forks it there instead of computing the prefix a second time."""
-        if not self.config.prefix_caching or request.branches:
+        if not self.config.prefix_caching or request.branches or request.scoring_prompt:
             return False
         prompt = request.prompt_ids
         for other in self.running:
@@ -272,10 +287,14 @@ class Engine:
         resumed = [b for b in request.branches if not b.finished and b.completion.token_ids]
         todo = resumed or request.branches[:1]
         made: list[Branch] = []
+        scoring = request.scoring_prompt  # needs logits at every prompt position: reuses nothing
+        if scoring:
+            request.prompt_logprobs.clear()  # scored again from the start (after a preemption)
         for branch in todo:
             ids = request.prompt_ids + branch.completion.token_ids[:-1]
             pending = branch.completion.token_ids[-1] if branch.completion.token_ids else None
-            placed = self._sequence_for(ids, limit=len(ids) if pending is not None else len(ids) - 1)
+            limit = 0 if scoring else len(ids) if pending is not None else len(ids) - 1
+            placed = self._sequence_for(ids, limit)
             if placed is None:
                 for undo in made:
                     assert undo.seq is not None
@@ -328,12 +347,19 @@ class Engine:
 
     def _plan(
         self,
-    ) -> tuple[dict[int, list[int]], list[tuple[Request, Branch, int, bool, bool]], dict[int, list[int]]]:
-        """What to feed: (sequence -> tokens, plan rows, sequence -> snapshot positions).
-        A plan row is (request, branch, backlog tokens fed, pending fed, sample from its logits)."""
+    ) -> tuple[
+        dict[int, list[int]],
+        list[tuple[Request, Branch, int, bool, bool]],
+        dict[int, list[int]],
+        dict[int, LogitsMode],
+    ]:
+        """What to feed: (sequence -> tokens, plan rows, sequence -> snapshot positions, sequence ->
+        logits wanted). A plan row is (request, branch, backlog tokens fed, pending fed, sample
+        from its logits). A scoring request's prompt chunks want logits at every row ("all")."""
         feeds: dict[int, list[int]] = {}
         plan: list[tuple[Request, Branch, int, bool, bool]] = []
         snapshots: dict[int, list[int]] = {}
+        modes: dict[int, LogitsMode] = {}
         budget = self.config.max_num_batched_tokens
         active = [(r, b) for r in self.running for b in r.branches if b.seq is not None and not b.finished]
         for request, branch in active:  # decode tokens first: they are cheap and latency-bound
@@ -341,18 +367,21 @@ class Engine:
                 assert branch.seq is not None
                 feeds[branch.seq] = [branch.pending]
                 plan.append((request, branch, 0, True, True))
+                modes[branch.seq] = "last"
                 budget -= 1
         for request, branch in active:  # then prompt chunks, oldest request first
             if branch.backlog and budget > 0:
                 assert branch.seq is not None
-                chunk = branch.backlog[:budget]
+                scoring = request.scoring_prompt
+                chunk = branch.backlog[: min(budget, SCORED_ROWS_PER_STEP) if scoring else budget]
                 done = len(chunk) == len(branch.backlog)
                 with_pending = done and branch.pending is not None
                 feeds[branch.seq] = chunk + ([branch.pending] if with_pending and branch.pending is not None else [])
                 plan.append((request, branch, len(chunk), with_pending, done))
+                modes[branch.seq] = "all" if scoring else "last" if done else "none"
                 budget -= len(feeds[branch.seq])
                 snapshots[branch.seq] = self._snapshot_positions(request)
-        return feeds, plan, snapshots
+        return feeds, plan, snapshots, modes
 
     @staticmethod
     def _snapshot_positions(request: Request) -> list[int]:
@@ -361,7 +390,25 @@ class Engine:
         n = len(request.prompt_ids)
         return sorted({*request.cache_hint, n - 1, *([n - 2] if n > 1 else [])})
 
+    def _score_prompt(self, request: Request, start: int, logits: torch.Tensor) -> None:
+        """Prompt logprobs from the logits of prompt positions start.. (`[rows, V]`): row i
+        scores the prompt token at start + i + 1 (the row after the prompt's end scores nothing)."""
+        prompt = request.prompt_ids
+        if start == 0:
+            request.prompt_logprobs[:] = [None]  # nothing precedes the first token
+        assert len(request.prompt_logprobs) == start + 1, "prompt chunks are scored in order"
+        targets = prompt[start + 1 : start + 1 + len(logits)]
+        assert request.params.prompt_logprobs is not None
+        request.prompt_logprobs.extend(score_tokens(logits[: len(targets)], targets, request.params.prompt_logprobs))
+
     def _on_logits(self, request: Request, branch: Branch, logits: torch.Tensor) -> None:
+        if request.params.max_tokens == 0:  # the prompt only (scored): generate nothing
+            for b in request.branches:
+                if not b.finished:
+                    b.completion.finish_reason = "length"
+                    request.emit(StreamEvent(request.request_id, b.completion.index, "", (), (), "length"))
+                    self._retire(request, b, keep=b.intact)
+            return
         siblings = [b for b in request.branches if b.seq is None and not b.finished and b is not branch]
         assert branch.seq is not None
         for sibling in siblings:  # n > 1: the prompt was computed once, fork it for every branch

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from hybridkv.engine.sampling import RequestSampler, SamplingParams, StopChecker
+from hybridkv.engine.sampling import RequestSampler, SamplingParams, StopChecker, TokenLogprob
 from hybridkv.engine.tokenizer import IncrementalDecoder
 
 FinishReason = Literal["stop", "length", "cancelled"]
@@ -80,7 +80,11 @@ class Branch:
 
 @dataclass(eq=False)
 class Request:
-    """A generation request: prompt ids, sampling parameters, where snapshots are wanted."""
+    """A generation request: prompt ids, sampling parameters, where snapshots are wanted.
+
+    With `params.prompt_logprobs`, `prompt_logprobs` fills up as the prompt is computed: entry p
+    scores prompt token p given the tokens before it (entry 0 is None: nothing precedes it).
+    """
 
     prompt_ids: list[int]
     params: SamplingParams
@@ -93,6 +97,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     queued: bool = True  # waiting to be admitted (again, once preempted); set by the engine, read by anyone
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     events: queue.SimpleQueue[StreamEvent] = field(default_factory=queue.SimpleQueue)
 
     @property
@@ -104,8 +109,15 @@ class Request:
         if self.on_event is not None:
             self.on_event(event)
 
+    @property
+    def scoring_prompt(self) -> bool:
+        """Does this request still need logits at prompt positions it has not scored yet?"""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
+
     def output(self) -> RequestOutput:
-        return RequestOutput(self.request_id, self.prompt_ids, [b.completion for b in self.branches], self.usage)
+        prompt_logprobs = list(self.prompt_logprobs) if self.params.prompt_logprobs is not None else None
+        completions = [b.completion for b in self.branches]
+        return RequestOutput(self.request_id, self.prompt_ids, completions, self.usage, prompt_logprobs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +126,7 @@ class RequestOutput:
     prompt_ids: list[int]
     outputs: list[Completion]
     usage: Usage
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def text(self) -> str:

@@ -7,7 +7,8 @@ Processing order, as in Hugging Face `generate` and vLLM:
         └──> reported logprobs
 
 Logprobs are those of the raw model distribution (`log_softmax` of the logits as the model
-returned them, before penalties and temperature), which is what vLLM reports by default.
+returned them, before penalties and temperature), which is what vLLM reports by default; prompt
+logprobs (`score_tokens`) are the same figure for the prompt's own tokens.
 Every request samples with its own `torch.Generator`, so a seeded request gives the same tokens
 whatever else shares its batch.
 """
@@ -59,7 +60,10 @@ class SamplingParams:
     - stop: strings that end the output (not included in it); a single string is accepted.
     - stop_token_ids: tokens that end the output, besides EOS (unless ignore_eos).
     - logprobs: None, or how many most-likely alternatives (0..20) to report per token.
+    - prompt_logprobs: None, or how many most-likely alternatives (0..20) to report for every
+      prompt token besides its own logprob and rank (vLLM's extension; the first token has none).
     - n: independent completions of the same prompt (1..16).
+    - max_tokens: 0 computes the prompt only (to score it with prompt_logprobs) and generates nothing.
     """
 
     max_tokens: int = 256
@@ -75,6 +79,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     n: int = 1
 
     def __post_init__(self) -> None:
@@ -86,7 +91,7 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a tuple or list, got {value!r}")
             object.__setattr__(self, name, tuple(value))
 
-        _check_int("max_tokens", self.max_tokens, low=1)
+        _check_int("max_tokens", self.max_tokens, low=0)
         _check_float("temperature", self.temperature, low=0.0, high=MAX_TEMPERATURE)
         _check_int("top_k", self.top_k, low=0)
         _check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
@@ -96,6 +101,7 @@ class SamplingParams:
         _check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0, optional=False)
         _check_int("seed", self.seed, low=0, high=_SEED_LIMIT - 1)
         _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        _check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
         _check_int("n", self.n, low=1, high=MAX_N, optional=False)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
@@ -159,6 +165,36 @@ class SampleResult(NamedTuple):
     token_id: int
     logprob: float
     top_logprobs: list[tuple[int, float]] | None
+
+
+class TokenLogprob(NamedTuple):
+    """A given token's logprob under the model, its rank (1 = the most likely; ties share the
+    better rank) and the `top` most likely tokens as `(token_id, logprob)`, most likely first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...]
+
+
+def score_tokens(logits: torch.Tensor, token_ids: Sequence[int], top: int) -> list[TokenLogprob]:
+    """How likely each row of `logits: [R, V]` made the token that came next (`token_ids`, R of
+    them), with the `top` most likely alternatives. One `log_softmax` per row feeds every figure,
+    so a token's logprob is bit-identical to its own entry in its `top` list."""
+    if logits.dim() != 2 or logits.shape[0] != len(token_ids):
+        raise ValueError(f"need logits [R, V] with R = {len(token_ids)} tokens, got {tuple(logits.shape)}")
+    log_probs = torch.log_softmax(logits.detach().to(torch.float32), dim=-1)
+    targets = torch.tensor(list(token_ids), dtype=torch.long)[:, None]
+    chosen = log_probs.gather(1, targets)
+    ranks = (log_probs > chosen).sum(dim=1) + 1
+    best = torch.topk(log_probs, min(top, log_probs.shape[1]), dim=1)
+    best_ids, best_values = best.indices.tolist(), best.values.tolist()
+    return [
+        TokenLogprob(token_id, logprob, rank, tuple(zip(ids, values, strict=True)))
+        for token_id, logprob, rank, ids, values in zip(
+            token_ids, chosen[:, 0].tolist(), ranks.tolist(), best_ids, best_values, strict=True
+        )
+    ]
 
 
 class RequestSampler:

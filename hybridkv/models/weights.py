@@ -40,7 +40,12 @@ class MissingWeightsFile(WeightsError, FileNotFoundError):
 
 
 class InsufficientMemory(MemoryError):
-    """Weights plus cache would not fit in available memory; the message gives the numbers."""
+    """Weights plus cache would not fit in available memory; the message gives the numbers
+    (`numbers`, without the advice, for a command line to advise in its own flags)."""
+
+    def __init__(self, numbers: str, advice: str = "") -> None:
+        super().__init__(f"{numbers}; {advice}" if advice else numbers)
+        self.numbers = numbers
 
 
 WriteFn = Callable[[torch.Tensor, torch.Tensor], None]
@@ -245,8 +250,8 @@ def check_memory_fit(weight_bytes: int, cache_bytes: int, available: int | None 
         raise InsufficientMemory(
             f"weights {format_bytes(weight_bytes)} + cache {format_bytes(cache_bytes)} = "
             f"{format_bytes(needed)}, more than {MEMORY_HEADROOM:.0%} of available memory "
-            f"({format_bytes(limit)} of {format_bytes(available)}); use a smaller cache budget, "
-            "bfloat16 weights, or a machine with more memory"
+            f"({format_bytes(limit)} of {format_bytes(available)})",
+            "use a smaller cache budget, bfloat16 weights, or a machine with more memory",
         )
 
 

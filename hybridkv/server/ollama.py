@@ -75,14 +75,16 @@ class Options:
     num_ctx: int | None
     logprobs: int | None
 
-    def params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
+    def params(self, prompt_len: int, max_model_len: int, prompt_field: str) -> SamplingParams:
         """Sampling parameters for a prompt of `prompt_len` tokens: num_predict -1 / -2 / unset
-        run to the end of the (num_ctx-capped) context."""
+        run to the end of the (num_ctx-capped) context, a larger one is clamped to it (as Ollama
+        does). A prompt that fills the context is a 400 naming num_ctx when num_ctx set the
+        limit, else `prompt_field` (the prompt or the messages)."""
         context = min(self.num_ctx or max_model_len, max_model_len)
         if prompt_len >= context:
-            raise bad(
-                "options.num_ctx", f"the prompt has {prompt_len} tokens: no room left in a {context}-token context"
-            )
+            limited = self.num_ctx is not None and self.num_ctx < max_model_len
+            where = f"a {context}-token context (num_ctx)" if limited else f"this model's {context}-token context"
+            raise bad("options.num_ctx" if limited else prompt_field, f"{prompt_len} tokens leave no room in {where}")
         room = context - prompt_len
         max_tokens = room if self.num_predict is None or self.num_predict < 0 else min(self.num_predict, room)
         try:
@@ -182,7 +184,7 @@ async def generate(request: Request) -> Response:
         new, new_hints = await state.encode_chat(messages, None, **_think_kwargs(think))
         ids = list(context) + new
         hints = ([len(context) - 1] if context else []) + [len(context) + h for h in new_hints]
-    params = options.params(len(ids), state.max_model_len)
+    params = options.params(len(ids), state.max_model_len, "prompt")
     generation = state.submit([(ids, hints, params)], api_key(request))
     parse = {
         "reasoning": not raw and state.opens_thinking(ids),
@@ -221,7 +223,7 @@ async def chat(request: Request) -> Response:
             {"model": state.model_id, "created_at": _now(), "message": message, "done": True, "done_reason": "load"}
         )
     ids, hints = await state.encode_chat(messages, tools, **_think_kwargs(think))
-    params = options.params(len(ids), state.max_model_len)
+    params = options.params(len(ids), state.max_model_len, "messages")
     generation = state.submit([(ids, hints, params)], api_key(request))
     parse = {
         "reasoning": state.opens_thinking(ids),

@@ -2,14 +2,24 @@
 
 Supported request fields are read and checked one by one; fields that would change the answer
 and are not implemented (logit_bias, response_format other than text, tool_choice other than
-auto/none, echo, suffix, best_of > n, audio, ...) are a 400 naming the field, and so is any
+auto/none, suffix, best_of > n, audio, ...) are a 400 naming the field, and so is any
 field this module does not know. Fields that change nothing here (user, metadata, store=false,
 service_tier, ...) are accepted. vLLM's extensions top_k, min_p, repetition_penalty,
-ignore_eos, stop_token_ids and chat_template_kwargs are accepted too.
+ignore_eos, stop_token_ids, chat_template_kwargs and prompt_logprobs are accepted too.
 
 Unset max_tokens means "up to the end of the context" for chat (as vLLM does) and 16 for
-completions (as OpenAI does). Usage reports `prompt_tokens_details.cached_tokens`: the prompt
+completions (as OpenAI does); a max_tokens that does not fit in the context after the prompt is
+a 400 naming both numbers. Usage reports `prompt_tokens_details.cached_tokens`: the prompt
 tokens taken from the prefix cache instead of being computed.
+
+Scoring a prompt: completions `echo: true` puts the prompt before the answer, and with `logprobs`
+its tokens' logprobs before the answer's (the first token's null), as lm-evaluation-harness's
+`local-completions` reads them (`max_tokens` 0 or 1, token-id prompts); `max_tokens: 0` is
+allowed with echo or prompt_logprobs. vLLM's `prompt_logprobs: k` answers, per completion choice
+and at the top of a chat answer, a list with a null first entry and then, per prompt token, a
+dict `token id -> {logprob, rank, decoded_token}` holding the token and the k likeliest. A
+request that asks for prompt logprobs computes its whole prompt, prefix cache or not (see
+`hybridkv.engine.engine`).
 """
 
 from __future__ import annotations
@@ -25,8 +35,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from hybridkv.engine.request import Completion, Usage
-from hybridkv.engine.sampling import MAX_LOGPROBS, SamplingParams
+from hybridkv.engine.request import Completion, RequestOutput, Usage
+from hybridkv.engine.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprob
 from hybridkv.server.auth import api_key
 from hybridkv.server.fields import Fields, bad
 from hybridkv.server.generation import EventStream, Generation
@@ -72,13 +82,26 @@ async def get_model(request: Request) -> Response:
 class Options:
     params: SamplingParams
     max_tokens: int | None  # None: the default of the endpoint
+    max_tokens_field: str  # the name the client gave it by
     stream: bool
     include_usage: bool
     logprobs: bool
+    prompt_logprobs: int | None  # vLLM's extension: top-k alternatives per prompt token
+    echo: bool = False
+
+    def check_room(self, prompt_len: int, max_model_len: int) -> None:
+        """A max_tokens that cannot fit after the prompt is the client's mistake: a 400 naming
+        both (a prompt that fills the context alone is the engine's 400 about the prompt)."""
+        if self.max_tokens is not None and prompt_len < max_model_len < prompt_len + self.max_tokens:
+            raise bad(
+                self.max_tokens_field,
+                f"{self.max_tokens} tokens do not fit after a prompt of {prompt_len} tokens in this model's "
+                f"{max_model_len}-token context: ask for at most {max_model_len - prompt_len}",
+            )
 
 
-def _options(body: Fields, chat: bool) -> Options:
-    """The sampling fields both endpoints share, checked."""
+def _options(body: Fields, chat: bool, echo: bool = False) -> Options:
+    """The sampling fields both endpoints share, checked. `echo` (completions) allows max_tokens 0."""
     stream = bool(body.boolean("stream"))
     include_usage = False
     stream_options = body.mapping("stream_options")
@@ -88,11 +111,16 @@ def _options(body: Fields, chat: bool) -> Options:
         include_usage = bool(stream_options.boolean("include_usage"))
         stream_options.boolean("include_obfuscation")  # padding against side channels: none needed here
         stream_options.finish()
+    prompt_logprobs = body.integer("prompt_logprobs", low=0, high=MAX_LOGPROBS)
+    if prompt_logprobs is not None and stream:
+        raise bad("prompt_logprobs", "is not available with stream: true")
+    field = "max_tokens"
     if chat:
         max_tokens = body.integer("max_completion_tokens", low=1)
         legacy = body.integer("max_tokens", low=1)
         if max_tokens is not None and legacy is not None and max_tokens != legacy:
             raise bad("max_tokens", "give max_completion_tokens or max_tokens, not both")
+        field = "max_completion_tokens" if max_tokens is not None else field
         max_tokens = max_tokens if max_tokens is not None else legacy
         logprobs = bool(body.boolean("logprobs"))
         top = body.integer("top_logprobs", low=0, high=MAX_LOGPROBS)
@@ -100,7 +128,9 @@ def _options(body: Fields, chat: bool) -> Options:
             raise bad("top_logprobs", "needs logprobs: true")
         top_logprobs = (top or 0) if logprobs else None
     else:
-        max_tokens = body.integer("max_tokens", low=1)
+        max_tokens = body.integer("max_tokens", low=0)
+        if max_tokens == 0 and not echo and prompt_logprobs is None:
+            raise bad("max_tokens", "must be >= 1 (0, the prompt only, needs echo: true or prompt_logprobs)")
         top_logprobs = body.integer("logprobs", low=0, high=MAX_LOGPROBS)
         logprobs = top_logprobs is not None
     n = body.integer("n", low=1)
@@ -108,9 +138,10 @@ def _options(body: Fields, chat: bool) -> Options:
     if best_of is not None and best_of != (n or 1):
         raise bad("best_of", "only best_of = n is supported (no ranking of extra samples)")
     body.refuse("logit_bias", "is not supported", allowed=({},))
+    scored = [k for k in (prompt_logprobs, top_logprobs if echo else None) if k is not None]
     try:
         params = SamplingParams(
-            max_tokens=max_tokens or 16,
+            max_tokens=16 if max_tokens is None else max_tokens,
             temperature=body.number("temperature"),
             top_p=body.number("top_p"),
             top_k=_top_k(body.integer("top_k")),
@@ -123,12 +154,13 @@ def _options(body: Fields, chat: bool) -> Options:
             stop_token_ids=tuple(_int_list(body, "stop_token_ids")),
             ignore_eos=bool(body.boolean("ignore_eos")),
             logprobs=top_logprobs,
+            prompt_logprobs=max(scored) if scored else None,
             n=n or 1,
         )
     except ValueError as e:  # "top_p must be in (0.0, 1.0], got 0"
-        field, _, rest = str(e).partition(" ")
-        raise bad(field, rest) from None
-    return Options(params, max_tokens, stream, include_usage, logprobs)
+        name, _, rest = str(e).partition(" ")
+        raise bad(name, rest) from None
+    return Options(params, max_tokens, field, stream, include_usage, logprobs, prompt_logprobs, echo)
 
 
 def _top_k(value: int | None) -> int | None:
@@ -169,29 +201,88 @@ async def completions(request: Request) -> Response:
     body = await state.read_json(request)
     state.check_model(body.string("model", required=True))
     prompts = _prompts(body.get("prompt"))
-    options = _options(body, chat=False)
-    body.refuse("echo", "is not supported", allowed=(False,))
+    options = _options(body, chat=False, echo=bool(body.boolean("echo")))
     body.refuse("suffix", "is not supported (no fill-in-the-middle)", allowed=("",))
     body.finish(HARMLESS)
     encoded = [p if isinstance(p, list) else await state.encode(p) for p in prompts]
+    for ids in encoded:
+        options.check_room(len(ids), state.max_model_len)
     generation = state.submit([(ids, (), options.params) for ids in encoded], api_key(request))
     reply = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time())}
     reply["model"] = state.model_id
+    echoes = [_Echo(state, p, ids, options) for p, ids in zip(prompts, encoded, strict=True)]
     if options.stream:
-        return EventStream(_completion_chunks(state, generation, options, reply), generation, "text/event-stream")
+        chunks = _completion_chunks(state, generation, options, reply, echoes)
+        return EventStream(chunks, generation, "text/event-stream")
     outputs = await generation.outputs(request)
     n = options.params.n
     choices = [
-        {
-            "index": p * n + c.index,
-            "text": c.text,
-            "logprobs": _completion_logprobs(state, c.logprobs) if options.logprobs else None,
-            "finish_reason": _FINISH.get(c.finish_reason or "stop"),
-        }
+        {"index": p * n + c.index, **echoes[p].choice(c.text, c.logprobs, output)}
+        | {"finish_reason": _FINISH.get(c.finish_reason or "stop")}
         for p, output in enumerate(outputs)
         for c in output.outputs
     ]
     return JSONResponse({**reply, "choices": choices, "usage": _usage([o.usage for o in outputs])})
+
+
+class _Echo:
+    """One prompt of a completions request: what its choices show of it (the text and logprobs
+    `echo` prepends, the `prompt_logprobs` list) before the generated text."""
+
+    def __init__(self, state: Any, prompt: str | list[int], ids: list[int], options: Options) -> None:
+        self.state = state
+        self.ids = ids
+        self.options = options
+        self.text = "" if not options.echo else prompt if isinstance(prompt, str) else state.llm.tokenizer.decode(ids)
+
+    def choice(
+        self, text: str, logprobs: Sequence[Any], output: RequestOutput | None, offset: int = 0
+    ) -> dict[str, Any]:
+        """A choice's text, logprobs and prompt_logprobs; `output` None: a streamed chunk past
+        the first (nothing of the prompt), else the first chunk or the whole answer."""
+        echo = self.options.echo and output is not None
+        entries: list[tuple[int, float | None, Any]] = []
+        if echo and self.options.logprobs:
+            assert output is not None
+            k = self.options.params.logprobs or 0
+            for token, scored in zip(self.ids, prompt_scores(output), strict=True):
+                entries.append((token, None, None) if scored is None else (token, scored.logprob, scored.top[:k]))
+        out: dict[str, Any] = {
+            "text": (self.text if echo else "") + text,
+            "logprobs": _completion_logprobs(self.state, [*entries, *logprobs], offset)
+            if self.options.logprobs
+            else None,
+        }
+        if self.options.prompt_logprobs is not None and output is not None:
+            out["prompt_logprobs"] = vllm_prompt_logprobs(self.state, prompt_scores(output), self.options)
+        return out
+
+
+def prompt_scores(output: RequestOutput) -> list[TokenLogprob | None]:
+    """The prompt's scores, one per token: a request cancelled before its prompt was computed
+    (finish reason "abort") has null for the tokens it did not score."""
+    scored = output.prompt_logprobs or []
+    return [*scored, *[None] * (len(output.prompt_ids) - len(scored))]
+
+
+def vllm_prompt_logprobs(
+    state: Any, scored: Sequence[TokenLogprob | None], options: Options
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: null for the first token, then per token a dict from token id
+    (a string, as JSON keys are) to {logprob, rank, decoded_token}: the token first, then the
+    `prompt_logprobs` likeliest (ranked 1, 2, ...) unless one of them is the token itself."""
+    k = options.prompt_logprobs or 0
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for entry in scored:
+        if entry is None:
+            out.append(None)
+            continue
+        ranked = [(entry.token_id, entry.logprob, entry.rank)]
+        ranked += [(t, lp, r) for r, (t, lp) in enumerate(entry.top[:k], start=1) if t != entry.token_id]
+        out.append(
+            {str(t): {"logprob": lp, "rank": rank, "decoded_token": _token_text(state, t)} for t, lp, rank in ranked}
+        )
+    return out
 
 
 def _prompts(value: object) -> list[str | list[int]]:
@@ -211,35 +302,50 @@ def _prompts(value: object) -> list[str | list[int]]:
 
 
 async def _completion_chunks(
-    state: Any, generation: Generation, options: Options, reply: dict[str, Any]
+    state: Any, generation: Generation, options: Options, reply: dict[str, Any], echoes: list[_Echo]
 ) -> AsyncIterator[str]:
     n = options.params.n
+    offsets: dict[int, int] = {}  # choice index -> its tokens' text so far, for logprobs' text_offset
     async for p, event in generation.events():
         if event.done:
             continue
+        index = p * n + event.index
+        first = index not in offsets
+        output = generation.requests[p].output() if first else None  # the prompt is computed by now
         choice = {
-            "index": p * n + event.index,
-            "text": event.text,
-            "logprobs": _completion_logprobs(state, event.logprobs) if options.logprobs else None,
+            "index": index,
+            **echoes[p].choice(event.text, event.logprobs, output, offsets.get(index, 0)),
             "finish_reason": _FINISH.get(event.finish_reason) if event.finish_reason else None,
         }
-        if event.text or event.finish_reason or options.logprobs:
+        offsets[index] = offsets.get(index, 0) + sum(map(len, (choice["logprobs"] or {}).get("tokens", ())))
+        if choice["text"] or event.finish_reason or options.logprobs:
             yield _sse({**reply, "choices": [choice], **({"usage": None} if options.include_usage else {})})
     if options.include_usage:
         yield _sse({**reply, "choices": [], "usage": _usage([r.usage for r in generation.requests])})
     yield "data: [DONE]\n\n"
 
 
-def _completion_logprobs(state: Any, logprobs: Sequence[Any]) -> dict[str, Any]:
+def _completion_logprobs(state: Any, logprobs: Sequence[Any], offset: int = 0) -> dict[str, Any]:
+    """OpenAI's legacy logprobs of (token, logprob or None, top alternatives or None) entries:
+    each top_logprobs dict holds the alternatives and the token itself (as OpenAI documents:
+    up to logprobs + 1 entries); an entry with no logprob (the first prompt token) has null."""
     tokens = [_token_text(state, token) for token, _, _ in logprobs]
-    offsets, at = [], 0
+    offsets, at = [], offset
     for text in tokens:
         offsets.append(at)
         at += len(text)
+    tops: list[dict[str, float] | None] = []
+    for text, (_, logprob, top) in zip(tokens, logprobs, strict=True):
+        if logprob is None:
+            tops.append(None)
+            continue
+        alternatives = {_token_text(state, t): v for t, v in (top or ())}
+        alternatives.setdefault(text, logprob)
+        tops.append(alternatives)
     return {
         "tokens": tokens,
         "token_logprobs": [lp for _, lp, _ in logprobs],
-        "top_logprobs": [{_token_text(state, t): v for t, v in (top or ())} for _, _, top in logprobs],
+        "top_logprobs": tops,
         "text_offset": offsets,
     }
 
@@ -271,6 +377,7 @@ async def chat_completions(request: Request) -> Response:
     body.finish(HARMLESS)
 
     ids, hints = await state.encode_chat(messages, tools, **template_kwargs)
+    options.check_room(len(ids), state.max_model_len)
     params = options.params
     if options.max_tokens is None:
         params = dataclasses.replace(params, max_tokens=max(1, state.max_model_len - len(ids)))
@@ -284,7 +391,10 @@ async def chat_completions(request: Request) -> Response:
     [output] = await generation.outputs(request)
     state.remember([output])
     choices = [chat_choice(state, c, options.logprobs, parse) for c in output.outputs]
-    return JSONResponse({**reply, "choices": choices, "usage": _usage([output.usage])})
+    answer = {**reply, "choices": choices, "usage": _usage([output.usage])}
+    if options.prompt_logprobs is not None:
+        answer["prompt_logprobs"] = vllm_prompt_logprobs(state, prompt_scores(output), options)
+    return JSONResponse(answer)
 
 
 def _messages(items: list[Any] | None) -> list[dict[str, Any]]:

@@ -37,7 +37,7 @@ def _draws(sampler: RequestSampler, logits: torch.Tensor, count: int) -> list[in
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("max_tokens", 0),
+        ("max_tokens", -1),
         ("max_tokens", -5),
         ("max_tokens", True),
         ("max_tokens", 3.0),
@@ -68,6 +68,8 @@ def _draws(sampler: RequestSampler, logits: torch.Tensor, count: int) -> list[in
         ("ignore_eos", 1),
         ("logprobs", 21),
         ("logprobs", -1),
+        ("prompt_logprobs", 21),
+        ("prompt_logprobs", -1),
         ("n", 0),
         ("n", 17),
     ],

@@ -52,7 +52,38 @@ CASES: list[tuple[str, str, Any, int, str]] = [
         400,
         "type",
     ),
-    ("echo", "/v1/completions", {"model": MODEL, "prompt": "a", "echo": True}, 400, "echo"),
+    ("echo-type", "/v1/completions", {"model": MODEL, "prompt": "a", "echo": "yes"}, 400, "echo"),
+    ("max-tokens-0", "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 0}, 400, "echo: true"),
+    (
+        "prompt-logprobs-streamed",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "a", "prompt_logprobs": 1, "stream": True},
+        400,
+        "prompt_logprobs: is not available with stream",
+    ),
+    ("prompt-logprobs-range", "/v1/chat/completions", CHAT | {"prompt_logprobs": 21}, 400, "prompt_logprobs"),
+    (
+        "max-tokens-1e8",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "abc", "max_tokens": 1e8},
+        400,
+        f"max_tokens: 100000000 tokens do not fit after a prompt of 3 tokens in this model's {MAX_MODEL_LEN}-token",
+    ),
+    (
+        "max-tokens-past-context",
+        "/v1/completions",
+        {"model": MODEL, "prompt": [[1, 2], [1] * (MAX_MODEL_LEN - 8)], "max_tokens": 10},
+        400,
+        f"after a prompt of {MAX_MODEL_LEN - 8} tokens",
+    ),
+    (
+        "max-completion-tokens-past-context",
+        "/v1/chat/completions",
+        {**CHAT, "max_tokens": None, "max_completion_tokens": MAX_MODEL_LEN},
+        400,
+        f"max_completion_tokens: {MAX_MODEL_LEN} tokens do not fit",
+    ),
+    ("num-ctx-full", "/api/generate", GENERATE | {"options": {"num_ctx": 3}}, 400, "options.num_ctx: "),
     ("n-too-large", "/v1/completions", {"model": MODEL, "prompt": "a", "n": 9}, 400, "max_num_seqs"),
     ("unknown-route", "/v1/embeddings", {"model": MODEL, "input": "a"}, 404, "/v1/embeddings"),
 ]
@@ -88,3 +119,30 @@ def test_the_openai_client_sees_typed_errors(served: Served) -> None:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=-1)
     assert error.value.body["param"] == "max_tokens"  # type: ignore[index]
     assert client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+
+
+def test_max_tokens_past_the_context_names_both_numbers(served: Served) -> None:
+    with pytest.raises(openai.BadRequestError) as error:
+        served.openai().completions.create(model=MODEL, prompt="abcd", max_tokens=MAX_MODEL_LEN)
+    assert error.value.body["param"] == "max_tokens"  # type: ignore[index]
+    message = error.value.body["message"]  # type: ignore[index]
+    assert f"{MAX_MODEL_LEN} tokens" in message and "a prompt of 4 tokens" in message
+    assert f"at most {MAX_MODEL_LEN - 4}" in message
+    fits = served.openai().completions.create(model=MODEL, prompt="abcd", max_tokens=MAX_MODEL_LEN - 4, stop=["\n"])
+    assert fits.choices
+
+
+def test_ollama_clamps_num_predict_and_blames_num_ctx_only_when_sent(served: Served) -> None:
+    client = served.http()
+    body = {"model": MODEL, "prompt": "abc", "raw": True, "stream": False}
+    options = {"num_predict": 10**8, "num_ctx": 24, "temperature": 0, "stop": []}
+    out = client.post("/api/generate", json=body | {"options": options}).json()
+    assert (out["prompt_eval_count"], out["eval_count"], out["done_reason"]) == (3, 21, "length")  # as ollama does
+
+    long = body | {"prompt": "y" * MAX_MODEL_LEN}
+    answer = client.post("/api/generate", json=long)
+    assert answer.status_code == 400
+    n = MAX_MODEL_LEN
+    assert answer.json()["error"] == f"prompt: {n} tokens leave no room in this model's {n}-token context"
+    answer = client.post("/api/generate", json=long | {"options": {"num_ctx": 16}})
+    assert answer.json()["error"] == f"options.num_ctx: {n} tokens leave no room in a 16-token context (num_ctx)"
