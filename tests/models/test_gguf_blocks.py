@@ -19,6 +19,7 @@ from hybridkv.ops.quant.k_dot import quantize_rows_q8_k
 from hybridkv.ops.quant.linear import QuantExperts, QuantLinear, float_activations
 
 Q8_FILES = ["qwen3next-tiny-q8_0.gguf", "qwen35-tiny-q8_0.gguf", "qwen35moe-tiny-q8_0.gguf"]
+FILES = [*Q8_FILES, "qwen35moe-k-q4_k_m.gguf"]  # the last: llama.cpp's own Q4_K_M (Q4_K and Q6_K blocks)
 
 
 def test_projections_embedding_and_experts_stay_in_the_files_blocks():
@@ -54,24 +55,27 @@ def emulated(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     return xr.double().matmul(w.dequantize().double().T).float()
 
 
-@pytest.mark.parametrize("file", Q8_FILES)
+@pytest.mark.parametrize("file", FILES)
 def test_whole_models_8bit_products_are_the_activation_rounding_and_nothing_else(file, monkeypatch):
-    tokens, _ = golden(file.rsplit("-", 1)[0])
+    tokens, _ = golden(file)
     model = load_model(DATA / file)
     ours = run(model, tokens)
     monkeypatch.setattr(quant_linear, "block_matmul", emulated)
     want = run(model, tokens)
-    assert (ours - want).abs().max() <= 1e-5 * want.abs().max()
+    # Each row equal to float summation order, but for a row where a 1e-7 difference upstream
+    # tipped one activation's 8-bit rounding the other way (one step of one block's scale).
+    rows = (ours - want).abs().amax(-1) / want.abs().max()
+    assert rows.median() <= 1e-5 and rows.max() <= 1e-2, rows.tolist()
     with float_activations():
         exact = run(model, tokens)
     # 8-bit activations move this tiny random model's logits by a few percent, never more
     assert 0 < (ours - exact).abs().max() <= 0.15 * exact.abs().max()
 
 
-@pytest.mark.parametrize("file", Q8_FILES)
+@pytest.mark.parametrize("file", FILES)
 def test_cached_decode_steps_equal_a_fresh_prefill_on_blocks(file):
     """Prefill and decode round activations alike, so the cache's contract holds on the blocks too."""
-    tokens, _ = golden(file.rsplit("-", 1)[0])
+    tokens, _ = golden(file)
     model = load_model(DATA / file)
     stepped = run(model, tokens)
     fresh = TinyCache(model.config, num_seqs=1, max_len=len(tokens)).run(model, [(0, tokens)])[0]
