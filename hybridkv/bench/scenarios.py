@@ -41,6 +41,7 @@ class Result:
     target: float | None = None  # the ratio the issue asks for
     limit: float | None = None  # the best figure the machine allows, in `unit`
     notes: dict[str, Any] = field(default_factory=dict)
+    baseline: str = "transformers"  # what the `transformers` figure measures
 
     @property
     def better(self) -> str:
@@ -333,3 +334,81 @@ def _tensor_bytes(obj: object) -> int:
         elif hasattr(x, "__dict__"):
             stack.extend(vars(x).values())
     return total
+
+
+# -- structured output: the grammar mask ------------------------------------------------------
+
+# Records the model must keep writing: 64 of them cannot fit in any timed run, so no request
+# ends early and every timed step decodes the whole batch.
+RECORDS: dict[str, Any] = {
+    "type": "array",
+    "minItems": 64,
+    "items": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer"},
+            "name": {"type": "string", "maxLength": 16},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["id", "name", "ok"],
+        "additionalProperties": False,
+    },
+}
+STRUCTURED_BATCHES = (1, 8)
+
+
+def structured(b: Bench, targets: dict[str, float]) -> list[Result]:
+    """Decode ms/token of the default model writing JSON under `RECORDS` (every token masked by
+    the grammar, inside the engine's batched sampler) against the same requests decoding freely,
+    greedy, through the engine, at batch 1 and 8. Runs alternate; only steps in which the whole
+    batch decodes are timed. The `transformers` column holds the unconstrained figure."""
+    from hybridkv.engine.engine import EngineConfig
+    from hybridkv.engine.grammar import Grammar, json_value
+    from hybridkv.engine.llm import LLM
+    from hybridkv.engine.sampling import SamplingParams
+
+    p = b.plan
+    llm = LLM(engine=EngineConfig(max_num_seqs=max(STRUCTURED_BATCHES)))
+    grammar = Grammar(f"start: {json_value(RECORDS)}\n")
+    steps = p.warmup + p.decode_steps
+    assert llm.engine.grammars.ll_tokenizer  # built once per model, before the grammar is timed
+    start = time.perf_counter()
+    llm.engine.grammars.check(grammar)  # compiled here, once; each request copies it
+    compile_ms = 1e3 * (time.perf_counter() - start)
+    # The prompt's step samples the first token and the step sampling the last ends the requests:
+    # `steps` timed steps between them.
+    constrained = SamplingParams(max_tokens=steps + 2, temperature=0.0, grammar=grammar)
+    free = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    results = []
+    for batch in STRUCTURED_BATCHES:
+        name = f"json_schema_b{batch}"
+        b.log(f"  {name}: {p.reps} runs each of {steps} decode steps, constrained and free alternating")
+        prompts = [
+            llm.encode_chat([{"role": "user", "content": f"List the records of table {i} as JSON."}])[0]
+            for i in range(batch)
+        ]
+        ours: list[float] = []
+        theirs: list[float] = []
+        for _ in range(p.reps):
+            ours += _decode_step_times(llm, prompts, constrained)[p.warmup :]
+            theirs += _decode_step_times(llm, prompts, free)[p.warmup :]
+        t_ours, t_theirs = _median(ours) / batch, _median(theirs) / batch
+        notes = {"batch": batch, "decode_steps": len(ours), "grammar_compile_ms": compile_ms}
+        results.append(
+            Result(name, 1e3 * t_ours, 1e3 * t_theirs, "ms/token", targets.get(name), None, notes, "hybridkv free")
+        )
+    return results
+
+
+def _decode_step_times(llm: Any, prompts: list[list[int]], params: Any) -> list[float]:
+    """Seconds of each engine step in which every request decodes (after all prompts are in,
+    before any request ends)."""
+    engine = llm.engine
+    requests = [engine.add_request(engine.make_request(prompt, params)) for prompt in prompts]
+    times = []
+    while not all(r.finished for r in requests):
+        ready = all(r.first_token_time is not None for r in requests)
+        elapsed = _timed(engine.step)
+        if ready and not any(r.finished for r in requests):
+            times.append(elapsed)
+    return times
