@@ -14,8 +14,7 @@ cannot enforce instead of ignoring it, which is what lets the server answer 400 
 mask costs tens of microseconds per constrained sequence on the default model's 4,096-token
 vocabulary (token trie walked with a derivative-based lexer; measured ≈ 40-70 µs per sequence
 per token for a JSON schema on a loaded 2-core machine, about 1% of a batch-8 decode step there;
-`hybridkv bench` has a scenario for it). Masks are computed for the whole batch in one
-`LLExecutor` call, which releases the GIL.
+`hybridkv bench` has a scenario for it).
 
 JSON is written as `json.dumps` writes it (", " and ": ", no other whitespace): a model cannot then
 fill its answer with endless newlines, and the output reads like any JSON it saw in training.
@@ -23,7 +22,6 @@ fill its answer with endless newlines, and the output reads like any JSON it saw
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 import threading
@@ -172,19 +170,15 @@ class GrammarMatcher:
 
 
 def allowed_tokens(matchers: Sequence[GrammarMatcher], vocab_size: int) -> torch.Tensor:
-    """`[N, vocab_size]` bool: the tokens each matcher allows next, computed in one call."""
+    """`[N, vocab_size]` bool: the tokens each matcher allows next.
+
+    Computed in this thread, one matcher after the other (each call releases the GIL): not in
+    llguidance's worker pool, whose threads must first be woken, which on cores busy with other
+    work (the forward's own threads, other processes) costs more than the masks themselves."""
     words = (max(m.mask_vocab for m in matchers) + 31) // 32
     bits = np.zeros((len(matchers), words), dtype=np.int32)
-    _executor().unsafe_compute_mask_ptr(
-        [(m.matcher, i) for i, m in enumerate(matchers)], bits.ctypes.data, words * 4, len(matchers)
-    )
+    for row, m in zip(bits, matchers, strict=True):
+        m.matcher.unsafe_compute_mask_ptr(row.ctypes.data, words * 4)
     # Bit i of 32-bit word w is token 32 w + i; the words are little-endian in memory.
     unpacked = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
-    return torch.from_numpy(unpacked.astype(np.bool_))
-
-
-@functools.cache
-def _executor() -> llguidance.LLExecutor:
-    """llguidance's worker pool for batch masks: as many threads as torch uses (its ops are idle
-    while masks are computed)."""
-    return llguidance.LLExecutor(num_threads=max(1, torch.get_num_threads()))
+    return torch.from_numpy(unpacked.view(np.bool_))
