@@ -83,7 +83,7 @@ def openai_constraint(body: Fields, tools: Sequence[Any] | None) -> Constraint:
     schema, where = _response_format(body.get("response_format"))
     choice = body.get("tool_choice")
     parallel = body.boolean("parallel_tool_calls") is not False
-    if choice == "none" or (choice is None and not tools):
+    if choice in (None, "auto", "none") and (choice == "none" or not tools):
         return Constraint(schema, where, calls="none")
     if not tools:
         raise bad("tool_choice", "needs tools to choose from")

@@ -139,6 +139,13 @@ def test_a_forced_tool_call_comes_back_as_tool_calls(served: Served, stream: boo
             assert {name for name, _ in calls} == {"search"}
 
 
+def test_tool_choice_auto_or_none_without_tools_is_accepted(served: Served) -> None:
+    client = served.openai()
+    for choice in ("auto", "none"):
+        out = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2, tool_choice=choice)
+        assert out.choices[0].finish_reason in ("stop", "length")
+
+
 def test_a_schema_with_tools_is_either_the_json_or_calls(served: Served) -> None:
     schema = {"enum": ["sunny", "rainy"]}
     requests = [
