@@ -38,9 +38,16 @@ from hybridkv.server.tool_calls import END_PARAMETER, FUNCTION, schema_types
 
 ToolStyle = Literal["json", "xml"]
 TOOL, END_TOOL = "<tool_call>", "</tool_call>"
-# Schema keywords that only describe: no effect on which values are valid.
-ANNOTATIONS = frozenset(
-    {"title", "description", "default", "examples", "deprecated", "readOnly", "writeOnly", "$comment", "$schema"}
+# What XML calls cannot hold a value to: keywords restricting strings (text is written as is; its
+# enum, const and a first string alternative of anyOf are enforced), and keywords restricting the
+# arguments object beyond its declared properties (only those are written, each at most once).
+_TEXT_UNENFORCEABLE = frozenset(
+    {"pattern", "format", "minLength", "maxLength", "allOf", "oneOf", "not", "if", "then", "else", "$dynamicRef"}
+)
+_ARGUMENTS_UNENFORCEABLE = frozenset(
+    {"minProperties", "maxProperties", "patternProperties", "propertyNames", "dependentRequired"}
+    | {"dependentSchemas", "unevaluatedProperties", "allOf", "anyOf", "oneOf", "not", "if", "then", "else"}
+    | {"$ref", "$dynamicRef"}
 )
 _MAX_MESSAGE = 400
 
@@ -288,10 +295,15 @@ def _relocated(schema: Any, root: str) -> Any:
 
 def _xml_parameters(tool: Tool) -> list[tuple[str, Mapping[str, Any], bool]]:
     """(name, schema, required) of each declared parameter, in the order the schema lists them."""
+    for keyword in tool.parameters:
+        if keyword in _ARGUMENTS_UNENFORCEABLE:
+            raise bad(f"{tool.where}.{keyword}", "cannot be enforced on arguments in this model's XML tool-call format")
     properties = tool.parameters.get("properties") or {}
     if not isinstance(properties, Mapping):
         raise bad(f"{tool.where}.properties", "must be an object")
     required = tool.parameters.get("required") or []
+    if not isinstance(required, list) or any(key not in properties for key in required):
+        raise bad(f"{tool.where}.required", "must list declared properties: only those can be written in XML calls")
     out = []
     for key, schema in properties.items():
         _check_name(key, f"{tool.where}.properties")
@@ -323,7 +335,7 @@ def _xml_text(schema: Mapping[str, Any], where: str) -> str:
     enum / const strings; nothing else can be enforced on text written as is."""
     choices = schema.get("enum", [schema["const"]] if "const" in schema else None)
     for keyword in schema:
-        if keyword not in ANNOTATIONS and keyword not in ("type", "enum", "const", "anyOf"):
+        if keyword in _TEXT_UNENFORCEABLE:
             raise bad(f"{where}.{keyword}", "cannot be enforced on a string in this model's XML tool-call format")
     if "anyOf" in schema:  # read as its first alternative, a string: that one must hold
         first = schema["anyOf"][0] if isinstance(schema["anyOf"], list) and schema["anyOf"] else None
