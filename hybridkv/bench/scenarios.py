@@ -361,7 +361,8 @@ def structured(b: Bench, targets: dict[str, float]) -> list[Result]:
     """Decode ms/token of the default model writing JSON under `RECORDS` (every token masked by
     the grammar, inside the engine's batched sampler) against the same requests decoding freely,
     greedy, through the engine, at batch 1 and 8. Runs alternate; only steps in which the whole
-    batch decodes are timed. The `transformers` column holds the unconstrained figure."""
+    batch decodes are timed. The `transformers` column holds the unconstrained figure. The masks
+    alone are timed too, replayed over the answers the constrained runs wrote (`mask_ms_per_step`)."""
     from hybridkv.engine.engine import EngineConfig
     from hybridkv.engine.grammar import Grammar, json_value
     from hybridkv.engine.llm import LLM
@@ -390,19 +391,26 @@ def structured(b: Bench, targets: dict[str, float]) -> list[Result]:
         ours: list[float] = []
         theirs: list[float] = []
         for _ in range(p.reps):
-            ours += _decode_step_times(llm, prompts, constrained)[p.warmup :]
-            theirs += _decode_step_times(llm, prompts, free)[p.warmup :]
+            times, answers = _decode_step_times(llm, prompts, constrained)
+            ours += times[p.warmup :]
+            theirs += _decode_step_times(llm, prompts, free)[0][p.warmup :]
         t_ours, t_theirs = _median(ours) / batch, _median(theirs) / batch
-        notes = {"batch": batch, "decode_steps": len(ours), "grammar_compile_ms": compile_ms}
+        notes = {
+            "batch": batch,
+            "decode_steps": len(ours),
+            "grammar_compile_ms": compile_ms,
+            "mask_ms_per_step": 1e3 * _median(_mask_times(llm, grammar, answers)),
+            "step_ms": 1e3 * _median(ours),
+        }
         results.append(
             Result(name, 1e3 * t_ours, 1e3 * t_theirs, "ms/token", targets.get(name), None, notes, "hybridkv free")
         )
     return results
 
 
-def _decode_step_times(llm: Any, prompts: list[list[int]], params: Any) -> list[float]:
+def _decode_step_times(llm: Any, prompts: list[list[int]], params: Any) -> tuple[list[float], list[list[int]]]:
     """Seconds of each engine step in which every request decodes (after all prompts are in,
-    before any request ends)."""
+    before any request ends), and the tokens each request wrote."""
     engine = llm.engine
     requests = [engine.add_request(engine.make_request(prompt, params)) for prompt in prompts]
     times = []
@@ -411,4 +419,17 @@ def _decode_step_times(llm: Any, prompts: list[list[int]], params: Any) -> list[
         elapsed = _timed(engine.step)
         if ready and not any(r.finished for r in requests):
             times.append(elapsed)
+    return times, [r.output().outputs[0].token_ids for r in requests]
+
+
+def _mask_times(llm: Any, grammar: Any, answers: list[list[int]]) -> list[float]:
+    """Seconds to compute the batch's masks at each step of `answers`, as the sampler does."""
+    from hybridkv.engine.grammar import allowed_tokens
+
+    matchers = [llm.engine.grammars.matcher(grammar) for _ in answers]
+    times = []
+    for step in range(min(len(a) for a in answers)):
+        times.append(_timed(lambda: allowed_tokens(matchers, llm.cm.vocab_size)))
+        for matcher, answer in zip(matchers, answers, strict=True):
+            matcher.consume(answer[step])
     return times
