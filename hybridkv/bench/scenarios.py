@@ -360,21 +360,25 @@ STRUCTURED_BATCHES = (1, 8)
 def structured(b: Bench, targets: dict[str, float]) -> list[Result]:
     """Decode ms/token of the default model writing JSON under `RECORDS` (every token masked by
     the grammar, inside the engine's batched sampler) against the same requests decoding freely,
-    greedy, through the engine, at batch 1 and 8. Runs alternate; only steps in which the whole
-    batch decodes are timed. The `transformers` column holds the unconstrained figure. The masks
-    alone are timed too, replayed over the answers the constrained runs wrote (`mask_ms_per_step`)."""
+    greedy, at batch 1 and 8: two engines on the same weights, their steps alternating so that a
+    shared machine's drift hits both alike; only steps in which a whole batch decodes are timed.
+    The `transformers` column holds the unconstrained figure. The masks alone are timed too,
+    replayed over the answers the constrained runs wrote (`mask_ms_per_step`)."""
+    from hybridkv.cache.config import CacheConfig
     from hybridkv.engine.engine import EngineConfig
     from hybridkv.engine.grammar import Grammar, json_value
     from hybridkv.engine.llm import LLM
     from hybridkv.engine.sampling import SamplingParams
 
     p = b.plan
-    llm = LLM(engine=EngineConfig(max_num_seqs=max(STRUCTURED_BATCHES)))
+    batch_max = max(STRUCTURED_BATCHES)
+    cache = CacheConfig(max_sequences=2 * batch_max + 1, max_model_len=1024, snapshots_per_sequence=4)
+    ours_llm, free_llm = (LLM(cache=cache, engine=EngineConfig(max_num_seqs=batch_max)) for _ in range(2))
     grammar = Grammar(f"start: {json_value(RECORDS)}\n")
     steps = p.warmup + p.decode_steps
-    assert llm.engine.grammars.ll_tokenizer  # built once per model, before the grammar is timed
+    assert ours_llm.engine.grammars.ll_tokenizer  # built once per model, before the grammar is timed
     start = time.perf_counter()
-    llm.engine.grammars.check(grammar)  # compiled here, once; each request copies it
+    ours_llm.engine.grammars.check(grammar)  # compiled here, once; each request copies it
     compile_ms = 1e3 * (time.perf_counter() - start)
     # The prompt's step samples the first token and the step sampling the last ends the requests:
     # `steps` timed steps between them.
@@ -383,23 +387,23 @@ def structured(b: Bench, targets: dict[str, float]) -> list[Result]:
     results = []
     for batch in STRUCTURED_BATCHES:
         name = f"json_schema_b{batch}"
-        b.log(f"  {name}: {p.reps} runs each of {steps} decode steps, constrained and free alternating")
+        b.log(f"  {name}: {p.reps} runs of {steps} decode steps, constrained and free steps alternating")
         prompts = [
-            llm.encode_chat([{"role": "user", "content": f"List the records of table {i} as JSON."}])[0]
+            ours_llm.encode_chat([{"role": "user", "content": f"List the records of table {i} as JSON."}])[0]
             for i in range(batch)
         ]
         ours: list[float] = []
         theirs: list[float] = []
         for _ in range(p.reps):
-            times, answers = _decode_step_times(llm, prompts, constrained)
-            ours += times[p.warmup :]
-            theirs += _decode_step_times(llm, prompts, free)[0][p.warmup :]
+            times, answers = _alternating_steps([(ours_llm, constrained), (free_llm, free)], prompts)
+            ours += times[0][p.warmup :]
+            theirs += times[1][p.warmup :]
         t_ours, t_theirs = _median(ours) / batch, _median(theirs) / batch
         notes = {
             "batch": batch,
             "decode_steps": len(ours),
             "grammar_compile_ms": compile_ms,
-            "mask_ms_per_step": 1e3 * _median(_mask_times(llm, grammar, answers)),
+            "mask_ms_per_step": 1e3 * _median(_mask_times(ours_llm, grammar, answers[0])),
             "step_ms": 1e3 * _median(ours),
         }
         results.append(
@@ -408,18 +412,24 @@ def structured(b: Bench, targets: dict[str, float]) -> list[Result]:
     return results
 
 
-def _decode_step_times(llm: Any, prompts: list[list[int]], params: Any) -> tuple[list[float], list[list[int]]]:
-    """Seconds of each engine step in which every request decodes (after all prompts are in,
-    before any request ends), and the tokens each request wrote."""
-    engine = llm.engine
-    requests = [engine.add_request(engine.make_request(prompt, params)) for prompt in prompts]
-    times = []
-    while not all(r.finished for r in requests):
-        ready = all(r.first_token_time is not None for r in requests)
-        elapsed = _timed(engine.step)
-        if ready and not any(r.finished for r in requests):
-            times.append(elapsed)
-    return times, [r.output().outputs[0].token_ids for r in requests]
+def _alternating_steps(
+    runs: list[tuple[Any, Any]], prompts: list[list[int]]
+) -> tuple[list[list[float]], list[list[list[int]]]]:
+    """Each (LLM, params) of `runs` decodes `prompts` as one batch, the LLMs' engine steps taking
+    turns. Per run: the seconds of each step in which all its requests decode (prompts in, none
+    ended yet), and the tokens each request wrote."""
+    requests = [[llm.engine.add_request(llm.engine.make_request(x, params)) for x in prompts] for llm, params in runs]
+    for (llm, _), batch in zip(runs, requests, strict=True):  # prompts, untimed
+        while not all(r.first_token_time is not None for r in batch):
+            llm.engine.step()
+    times: list[list[float]] = [[] for _ in runs]
+    while not all(r.finished for batch in requests for r in batch):
+        for (llm, _), batch, timed in zip(runs, requests, times, strict=True):
+            if not all(r.finished for r in batch):
+                elapsed = _timed(llm.engine.step)
+                if not any(r.finished for r in batch):
+                    timed.append(elapsed)
+    return times, [[r.output().outputs[0].token_ids for r in batch] for batch in requests]
 
 
 def _mask_times(llm: Any, grammar: Any, answers: list[list[int]]) -> list[float]:
