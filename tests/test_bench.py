@@ -39,6 +39,8 @@ SCENARIOS = [
     "regenerate_ttft",
     "edit_last_message_ttft",
     "fork_n8",
+    "json_schema_b1",
+    "json_schema_b8",
 ]
 TINY_MODEL = {
     **BENCH_MODEL,
@@ -148,6 +150,17 @@ def test_forks_share_the_prompt_until_they_write(document):
     f = document["scenarios"]["fork_n8"]
     assert f["hybridkv_extra_bytes"] == 0
     assert 0 < f["hybridkv_extra_bytes_after_first_token"] < f["transformers_extra_bytes"]
+
+
+def test_structured_output_is_timed_against_the_same_requests_decoding_freely(document):
+    s = document["scenarios"]
+    for batch in (1, 8):
+        x = s[f"json_schema_b{batch}"]
+        assert (x["unit"], x["baseline"], x["batch"]) == ("ms/token", "hybridkv free", batch)
+        assert x["decode_steps"] == TINY_PLAN.reps * TINY_PLAN.decode_steps  # whole-batch steps only
+        assert x["grammar_compile_ms"] > 0 and 0 < x["mask_ms_per_step"] < x["step_ms"]
+    assert s["json_schema_b8"]["target_ratio"] == pytest.approx(1 / 1.1)  # at most 10% slower per token
+    assert s["decode_b1"]["baseline"] == "transformers"
 
 
 def test_both_engines_run_the_same_weights(document):

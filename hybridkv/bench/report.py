@@ -23,6 +23,7 @@ def to_json(results: list[Result], limits: Limits, weights: WeightCounts, run: d
             "target_ratio": r.target,
             "limit": r.limit,
             "hybridkv_limit_fraction": r.limit_fraction,
+            "baseline": r.baseline,
             **r.notes,
         }
         for r in results
@@ -90,7 +91,7 @@ def print_table(document: dict[str, Any], console: Any) -> None:
         target = ""
         if s["target_ratio"] is not None:
             met = s["ratio"] >= s["target_ratio"]
-            target = f"{'[green]' if met else '[red]'}≥ {s['target_ratio']:.1f}×"
+            target = f"{'[green]' if met else '[red]'}≥ {s['target_ratio']:.2g}×"
             ratio = f"{'[green]' if met else '[red]'}{ratio}"
         limit = "" if s["limit"] is None else _num(s["limit"])
         fraction = "" if s["hybridkv_limit_fraction"] is None else f"{100 * s['hybridkv_limit_fraction']:.0f}%"
@@ -130,6 +131,12 @@ def print_table(document: dict[str, Any], console: Any) -> None:
             f"fork_n8: extra bytes hybridkv {_mb(f['hybridkv_extra_bytes'])} at fork, "
             f"{_mb(f['hybridkv_extra_bytes_after_first_token'])} once each wrote a token; "
             f"transformers {_mb(f['transformers_extra_bytes'])} (deep copies)"
+        )
+    structured = [name for name, x in s.items() if x.get("baseline") == "hybridkv free"]
+    if structured:
+        notes.append(
+            f"{', '.join(structured)}: the default model writing JSON under a schema (grammar mask in the batched "
+            "sampler) in the hybridkv column, the same requests decoding freely in the transformers column"
         )
     notes.append(f"run: {run['seconds']:.0f} s{' (--quick)' if run['quick'] else ''}")
     for line in notes:

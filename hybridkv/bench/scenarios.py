@@ -41,6 +41,7 @@ class Result:
     target: float | None = None  # the ratio the issue asks for
     limit: float | None = None  # the best figure the machine allows, in `unit`
     notes: dict[str, Any] = field(default_factory=dict)
+    baseline: str = "transformers"  # what the `transformers` figure measures
 
     @property
     def better(self) -> str:
@@ -333,3 +334,112 @@ def _tensor_bytes(obj: object) -> int:
         elif hasattr(x, "__dict__"):
             stack.extend(vars(x).values())
     return total
+
+
+# -- structured output: the grammar mask ------------------------------------------------------
+
+# Records the model must keep writing: 64 of them cannot fit in any timed run, so no request
+# ends early and every timed step decodes the whole batch.
+RECORDS: dict[str, Any] = {
+    "type": "array",
+    "minItems": 64,
+    "items": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer"},
+            "name": {"type": "string", "maxLength": 16},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["id", "name", "ok"],
+        "additionalProperties": False,
+    },
+}
+STRUCTURED_BATCHES = (1, 8)
+
+
+def structured(b: Bench, targets: dict[str, float]) -> list[Result]:
+    """Decode ms/token of the default model writing JSON under `RECORDS` (every token masked by
+    the grammar, inside the engine's batched sampler) against the same requests decoding freely,
+    greedy, at batch 1 and 8: two engines on the same weights, their steps alternating so that a
+    shared machine's drift hits both alike; only steps in which a whole batch decodes are timed.
+    The `transformers` column holds the unconstrained figure. The masks alone are timed too,
+    replayed over the answers the constrained runs wrote (`mask_ms_per_step`)."""
+    from hybridkv.cache.config import CacheConfig
+    from hybridkv.engine.engine import EngineConfig
+    from hybridkv.engine.grammar import Grammar, json_value
+    from hybridkv.engine.llm import LLM
+    from hybridkv.engine.sampling import SamplingParams
+
+    p = b.plan
+    batch_max = max(STRUCTURED_BATCHES)
+    cache = CacheConfig(max_sequences=2 * batch_max + 1, max_model_len=1024, snapshots_per_sequence=4)
+    ours_llm, free_llm = (LLM(cache=cache, engine=EngineConfig(max_num_seqs=batch_max)) for _ in range(2))
+    grammar = Grammar(f"start: {json_value(RECORDS)}\n")
+    steps = p.warmup + p.decode_steps
+    assert ours_llm.engine.grammars.ll_tokenizer  # built once per model, before the grammar is timed
+    start = time.perf_counter()
+    ours_llm.engine.grammars.check(grammar)  # compiled here, once; each request copies it
+    compile_ms = 1e3 * (time.perf_counter() - start)
+    # The prompt's step samples the first token and the step sampling the last ends the requests:
+    # `steps` timed steps between them.
+    constrained = SamplingParams(max_tokens=steps + 2, temperature=0.0, grammar=grammar)
+    free = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    results = []
+    for batch in STRUCTURED_BATCHES:
+        name = f"json_schema_b{batch}"
+        b.log(f"  {name}: {p.reps} runs of {steps} decode steps, constrained and free steps alternating")
+        prompts = [
+            ours_llm.encode_chat([{"role": "user", "content": f"List the records of table {i} as JSON."}])[0]
+            for i in range(batch)
+        ]
+        ours: list[float] = []
+        theirs: list[float] = []
+        for _ in range(p.reps):
+            times, answers = _alternating_steps([(ours_llm, constrained), (free_llm, free)], prompts)
+            ours += times[0][p.warmup :]
+            theirs += times[1][p.warmup :]
+        t_ours, t_theirs = _median(ours) / batch, _median(theirs) / batch
+        notes = {
+            "batch": batch,
+            "decode_steps": len(ours),
+            "grammar_compile_ms": compile_ms,
+            "mask_ms_per_step": 1e3 * _median(_mask_times(ours_llm, grammar, answers[0])),
+            "step_ms": 1e3 * _median(ours),
+        }
+        results.append(
+            Result(name, 1e3 * t_ours, 1e3 * t_theirs, "ms/token", targets.get(name), None, notes, "hybridkv free")
+        )
+    return results
+
+
+def _alternating_steps(
+    runs: list[tuple[Any, Any]], prompts: list[list[int]]
+) -> tuple[list[list[float]], list[list[list[int]]]]:
+    """Each (LLM, params) of `runs` decodes `prompts` as one batch, the LLMs' engine steps taking
+    turns. Per run: the seconds of each step in which all its requests decode (prompts in, none
+    ended yet), and the tokens each request wrote."""
+    requests = [[llm.engine.add_request(llm.engine.make_request(x, params)) for x in prompts] for llm, params in runs]
+    for (llm, _), batch in zip(runs, requests, strict=True):  # prompts, untimed
+        while not all(r.first_token_time is not None for r in batch):
+            llm.engine.step()
+    times: list[list[float]] = [[] for _ in runs]
+    while not all(r.finished for batch in requests for r in batch):
+        for (llm, _), batch, timed in zip(runs, requests, times, strict=True):
+            if not all(r.finished for r in batch):
+                elapsed = _timed(llm.engine.step)
+                if not any(r.finished for r in batch):
+                    timed.append(elapsed)
+    return times, [[r.output().outputs[0].token_ids for r in batch] for batch in requests]
+
+
+def _mask_times(llm: Any, grammar: Any, answers: list[list[int]]) -> list[float]:
+    """Seconds to compute the batch's masks at each step of `answers`, as the sampler does."""
+    from hybridkv.engine.grammar import allowed_tokens
+
+    matchers = [llm.engine.grammars.matcher(grammar) for _ in answers]
+    times = []
+    for step in range(min(len(a) for a in answers)):
+        times.append(_timed(lambda: allowed_tokens(matchers, llm.cm.vocab_size)))
+        for matcher, answer in zip(matchers, answers, strict=True):
+            matcher.consume(answer[step])
+    return times

@@ -28,9 +28,10 @@ from typing import Any
 import torch
 
 from hybridkv.cached_model import CachedModel, LogitsMode
+from hybridkv.engine.grammar import GrammarError, Grammars
 from hybridkv.engine.prefix_index import PrefixIndex
 from hybridkv.engine.request import Branch, Completion, FinishReason, Request, StreamEvent
-from hybridkv.engine.sampling import RequestSampler, SamplingParams, StopChecker, score_tokens
+from hybridkv.engine.sampling import RequestSampler, SamplingParams, StopChecker, sample_batch, score_tokens
 from hybridkv.engine.tokenizer import IncrementalDecoder, Tokenizer
 from hybridkv.errors import CacheFull
 
@@ -78,6 +79,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config = config or EngineConfig()
         self.generation_config = dict(generation_config or {})
+        self.grammars = Grammars(tokenizer, cm.vocab_size)
         cache = cm.cache.config
         if cache.max_sequences < config.max_num_seqs + 1:
             raise ValueError(
@@ -120,6 +122,8 @@ class Engine:
         hint = tuple(cache_hint)
         if any(not isinstance(p, int) or not 0 <= p < len(prompt_ids) for p in hint):
             raise ValueError(f"cache_hint positions must lie in 0..{len(prompt_ids) - 1}, got {list(hint)[:8]}")
+        if params.grammar is not None:
+            self.grammars.check(params.grammar)  # GrammarError (a ValueError) naming what cannot be enforced
         return Request(list(prompt_ids), params, hint, on_event=on_event)
 
     def add_request(self, request: Request) -> Request:
@@ -205,6 +209,7 @@ class Engine:
                 branch.intact = False
             raise
         self.counters["steps"] += 1
+        sampling: list[tuple[Request, Branch, torch.Tensor]] = []
         for request, branch, fed_backlog, fed_pending, sample in plan:
             assert branch.seq is not None
             rows = logits.get(branch.seq)
@@ -218,7 +223,9 @@ class Engine:
                 branch.pending = None
             if sample:
                 assert rows is not None
-                self._on_logits(request, branch, rows[-1])
+                sampling += self._sampling_rows(request, branch, rows[-1])
+        if sampling:
+            self._sample(sampling)
 
     def _drain_inbox(self) -> None:
         with self._lock:
@@ -338,9 +345,10 @@ class Engine:
 
     def _branch(self, request: Request, index: int) -> Branch:
         params = request.params
+        grammar = self.grammars.matcher(params.grammar) if params.grammar is not None else None
         return Branch(
             Completion(index),
-            RequestSampler(params, request.prompt_ids, branch=index),
+            RequestSampler(params, request.prompt_ids, branch=index, grammar=grammar),
             StopChecker.from_params(params, self.tokenizer.eos_token_ids),
             IncrementalDecoder(self.tokenizer, context=request.prompt_ids),
         )
@@ -401,21 +409,25 @@ class Engine:
         assert request.params.prompt_logprobs is not None
         request.prompt_logprobs.extend(score_tokens(logits[: len(targets)], targets, request.params.prompt_logprobs))
 
-    def _on_logits(self, request: Request, branch: Branch, logits: torch.Tensor) -> None:
-        if request.params.max_tokens == 0:  # the prompt only (scored): generate nothing
+    def _sampling_rows(
+        self, request: Request, branch: Branch, logits: torch.Tensor
+    ) -> list[tuple[Request, Branch, torch.Tensor]]:
+        """The branches that sample from `branch`'s logits: itself, and on a request's first
+        token its n - 1 siblings, each given a fork of the prompt computed once. None for a
+        request that asked for the prompt only (scored): its branches end here."""
+        if request.params.max_tokens == 0:
             for b in request.branches:
                 if not b.finished:
                     b.completion.finish_reason = "length"
                     request.emit(StreamEvent(request.request_id, b.completion.index, "", (), (), "length"))
                     self._retire(request, b, keep=b.intact)
-            return
+            return []
         siblings = [b for b in request.branches if b.seq is None and not b.finished and b is not branch]
         assert branch.seq is not None
-        for sibling in siblings:  # n > 1: the prompt was computed once, fork it for every branch
+        for sibling in siblings:
             sibling.seq = self._fork(branch.seq)
             sibling.placed, sibling.intact = self.cm.length(sibling.seq), True
-        for b in (branch, *siblings):
-            self._sample(request, b, logits)
+        return [(request, b, logits) for b in (branch, *siblings)]
 
     def _fork(self, seq: int) -> int:
         while True:
@@ -425,15 +437,33 @@ class Engine:
                 if not self.index.evict_one():
                     raise
 
-    def _sample(self, request: Request, branch: Branch, logits: torch.Tensor) -> None:
+    def _sample(self, rows: list[tuple[Request, Branch, torch.Tensor]]) -> None:
+        """One token for every row, in one batched sampler call (grammar masks included)."""
+        samplers = [branch.sampler for _, branch, _ in rows]
+        outputs = [branch.completion.token_ids for _, branch, _ in rows]
+        results = sample_batch(samplers, torch.stack([logits for *_, logits in rows]), outputs)
+        for (request, branch, _), result in zip(rows, results, strict=True):
+            if isinstance(result, GrammarError):  # an llguidance limit or fault: end this branch only
+                log.error("request %s: grammar failed, ending its output: %s", request.request_id, result)
+                self._end(request, branch)
+            else:
+                self._record(request, branch, result.token_id, result.logprob, result.top_logprobs)
+
+    def _record(
+        self,
+        request: Request,
+        branch: Branch,
+        token: int,
+        logprob: float,
+        top_logprobs: list[tuple[int, float]] | None,
+    ) -> None:
+        """A sampled token: into the completion, the stop checks and the stream."""
         completion = branch.completion
-        result = branch.sampler.sample(logits, completion.token_ids)
-        token = result.token_id
         completion.token_ids.append(token)
         logprobs: tuple[tuple[int, float, tuple[tuple[int, float], ...] | None], ...] = ()
         if request.params.logprobs is not None:
-            top = tuple(result.top_logprobs) if result.top_logprobs is not None else None
-            logprobs = ((token, result.logprob, top),)
+            top = tuple(top_logprobs) if top_logprobs is not None else None
+            logprobs = ((token, logprob, top),)
             completion.logprobs.extend(logprobs)
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
@@ -490,15 +520,19 @@ class Engine:
             request.branches = [self._branch(request, i) for i in range(request.params.n)]
         for branch in request.branches:
             if not branch.finished:
-                completion = branch.completion
-                text = branch.stop.flush(branch.decoder.flush())
-                completion.text += text
-                completion.finish_reason = "cancelled"
-                completion.stop_reason = branch.stop.stop_reason
-                request.emit(StreamEvent(request.request_id, completion.index, text, (), (), "cancelled"))
-                self._retire(request, branch, keep=keep and self._computed(branch))
+                self._end(request, branch, keep)
         if not request.finished:
             self._finish(request)
+
+    def _end(self, request: Request, branch: Branch, keep: bool = True) -> None:
+        """End one unfinished branch as "cancelled", releasing its held-back text (see `_cancel`)."""
+        completion = branch.completion
+        text = branch.stop.flush(branch.decoder.flush())
+        completion.text += text
+        completion.finish_reason = "cancelled"
+        completion.stop_reason = branch.stop.stop_reason
+        request.emit(StreamEvent(request.request_id, completion.index, text, (), (), "cancelled"))
+        self._retire(request, branch, keep=keep and self._computed(branch))
 
     def _computed(self, branch: Branch) -> bool:
         """Did `branch`'s sequence compute tokens beyond what it reused, all forwards complete?"""

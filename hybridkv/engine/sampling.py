@@ -2,13 +2,15 @@
 
 Processing order, as in Hugging Face `generate` and vLLM:
 
-    raw logits ──> penalties ──> temperature ──> top-k ──> top-p ──> min-p ──> softmax sample
-        │              └──(temperature 0)──> argmax
+    raw logits ──> penalties ──> grammar mask ──> temperature ──> top-k ──> top-p ──> min-p ──> sample
+        │                             └──(temperature 0)──> argmax
         └──> reported logprobs
 
 Logprobs are those of the raw model distribution (`log_softmax` of the logits as the model
-returned them, before penalties and temperature), which is what vLLM reports by default; prompt
-logprobs (`score_tokens`) are the same figure for the prompt's own tokens.
+returned them, before penalties, grammar mask and temperature), which is what vLLM reports by
+default; prompt logprobs (`score_tokens`) are the same figure for the prompt's own tokens. A
+request with a grammar (`grammar.py`) gets its mask inside `sample_batch`, computed for all
+constrained rows of the batch at once.
 Every request samples with its own `torch.Generator`, so a seeded request gives the same tokens
 whatever else shares its batch.
 """
@@ -21,6 +23,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 import torch
+
+from hybridkv.engine.grammar import Grammar, GrammarError, GrammarMatcher, allowed_tokens
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
@@ -64,6 +68,9 @@ class SamplingParams:
       prompt token besides its own logprob and rank (vLLM's extension; the first token has none).
     - n: independent completions of the same prompt (1..16).
     - max_tokens: 0 computes the prompt only (to score it with prompt_logprobs) and generates nothing.
+    - grammar: the output must match it (structured output, forced tool calls); it ends the
+      output itself (EOS once complete), so stop strings, stop_token_ids and ignore_eos, which
+      could cut it or run past it, cannot be combined with it.
     """
 
     max_tokens: int = 256
@@ -81,6 +88,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     n: int = 1
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -112,6 +120,12 @@ class SamplingParams:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
         for i, token_id in enumerate(self.stop_token_ids):
             _check_int(f"stop_token_ids[{i}]", token_id, low=0, optional=False)
+        if self.grammar is not None:
+            if not isinstance(self.grammar, Grammar):
+                raise ValueError(f"grammar must be a Grammar, got {self.grammar!r}")
+            for name in ("stop", "stop_token_ids", "ignore_eos"):
+                if getattr(self, name):
+                    raise ValueError(f"{name} cannot be combined with structured output: it would cut the output")
 
     def with_defaults(self, generation_config: Mapping[str, Any]) -> SamplingParams:
         """A copy with every unset (None) sampling field taken from a `generation_config.json`
@@ -201,11 +215,19 @@ class RequestSampler:
     """Samples one request's tokens with its own generator.
 
     `branch` numbers the completions of an `n > 1` request; branch i of a seeded request uses
-    seed + i (as vLLM does), so the branches differ and each is reproducible.
+    seed + i (as vLLM does), so the branches differ and each is reproducible. `grammar`, the
+    completion's own matcher for `params.grammar`, consumes every token sampled.
     """
 
-    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], branch: int = 0) -> None:
+    def __init__(
+        self,
+        params: SamplingParams,
+        prompt_ids: Sequence[int],
+        branch: int = 0,
+        grammar: GrammarMatcher | None = None,
+    ) -> None:
         self.params = params.with_defaults({})  # still-unset fields mean "off"
+        self.grammar = grammar
         self.generator = torch.Generator()
         if params.seed is None:
             self.seed = self.generator.seed()  # a fresh non-deterministic seed, kept for reporting
@@ -220,12 +242,21 @@ class RequestSampler:
         assert self.params.temperature is not None
         return self.params.temperature < GREEDY_BELOW
 
-    def sample(self, logits: torch.Tensor, output_ids: Sequence[int]) -> SampleResult:
-        """Choose the next token from `logits: [V]` given this request's `output_ids` so far.
+    def sample(
+        self, logits: torch.Tensor, output_ids: Sequence[int], allowed: torch.Tensor | None = None
+    ) -> SampleResult:
+        """Choose the next token from `logits: [V]` given this request's `output_ids` so far,
+        among the `allowed: [V]` bool tokens (the grammar's mask; required with a grammar).
         Draws from the generator only when not greedy; never modifies `logits`."""
         raw = logits.detach().to(torch.float32)
         scores = self._penalised(raw, output_ids)
+        if self.grammar is not None:
+            if allowed is None or not bool(allowed.any()):
+                raise GrammarError(f"the grammar allows no token here: {self.grammar.error or 'no mask given'}")
+            scores = scores.masked_fill(~allowed, -math.inf)
         token_id = int(torch.argmax(scores)) if self.greedy else self._draw(scores)
+        if self.grammar is not None:
+            self.grammar.consume(token_id)
         log_probs = torch.log_softmax(raw, dim=0)  # one tensor: the chosen token's figure is the one in the top list
         return SampleResult(token_id, float(log_probs[token_id]), self._top_logprobs(log_probs))
 
@@ -310,15 +341,29 @@ def _select(ids: torch.Tensor | None, values: torch.Tensor, keep: torch.Tensor) 
 
 def sample_batch(
     samplers: Sequence[RequestSampler], logits: torch.Tensor, output_ids: Sequence[Sequence[int]]
-) -> list[SampleResult]:
+) -> list[SampleResult | GrammarError]:
     """One token for each of N requests from `logits: [N, V]`; row i belongs to `samplers[i]`.
-    Each row uses only its own sampler's generator, so results do not depend on the batch."""
+    Each row uses only its own sampler's generator, so results do not depend on the batch.
+    The rows of samplers with a grammar are masked, all masks computed in one call. A row whose
+    grammar fails gets its GrammarError in place of a result; the other rows are sampled."""
     if logits.dim() != 2 or logits.shape[0] != len(samplers) or len(output_ids) != len(samplers):
         raise ValueError(
             f"need logits [N, V] with N = {len(samplers)} samplers and output lists, "
             f"got logits {tuple(logits.shape)} and {len(output_ids)} output lists"
         )
-    return [s.sample(row, out) for s, row, out in zip(samplers, logits, output_ids, strict=True)]
+    constrained = [i for i, s in enumerate(samplers) if s.grammar is not None]
+    masks: dict[int, torch.Tensor] = {}
+    if constrained:
+        matchers = [samplers[i].grammar for i in constrained]
+        allowed = allowed_tokens([m for m in matchers if m is not None], logits.shape[1])
+        masks = dict(zip(constrained, allowed, strict=True))
+    results: list[SampleResult | GrammarError] = []
+    for i, (sampler, row, out) in enumerate(zip(samplers, logits, output_ids, strict=True)):
+        try:
+            results.append(sampler.sample(row, out, masks.get(i)))
+        except GrammarError as e:
+            results.append(e)
+    return results
 
 
 FinishReason = Literal["stop", "length"]

@@ -11,6 +11,7 @@ of it is parsed or tokenized. With API keys (`auth.Access`), a request without a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import threading
@@ -28,14 +29,16 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from hybridkv.engine.chat_template import ChatTemplate
+from hybridkv.engine.grammar import Grammar
 from hybridkv.engine.llm import LLM
 from hybridkv.engine.request import RequestOutput
 from hybridkv.engine.sampling import SamplingParams
-from hybridkv.server import metrics, ollama, openai
+from hybridkv.server import metrics, ollama, openai, structured
 from hybridkv.server.auth import Access, RequireKey
 from hybridkv.server.chatml import CHATML_WITH_TOOLS
-from hybridkv.server.fields import ApiError, Fields, error_body
+from hybridkv.server.fields import ApiError, Fields, bad, error_body
 from hybridkv.server.generation import RETRY_AFTER_S, Generation
+from hybridkv.server.tool_calls import FUNCTION
 
 log = logging.getLogger("hybridkv.server")
 LATEST = ":latest"
@@ -148,6 +151,29 @@ class ServerState:
         """Does the prompt end inside a think block (a thinking template's generation prompt)?"""
         tail = self.llm.tokenizer.decode(prompt_ids[-8:]).rstrip()
         return tail.endswith("<think>")
+
+    @property
+    def tool_style(self) -> structured.ToolStyle:
+        """How the model writes a tool call: XML (`<function=...>`, Qwen3.5) if its chat template
+        shows that form, else JSON (Hermes: Qwen3, Qwen3-Next, the default model's ChatML)."""
+        sources = self.llm.template.templates.values() if self.llm.template is not None else ()
+        return "xml" if any(FUNCTION in source for source in sources) else "json"
+
+    async def constrained(
+        self, params: SamplingParams, constraint: structured.Constraint, thinking: bool, prefix: str = ""
+    ) -> tuple[SamplingParams, Grammar | None]:
+        """`params` with the grammar of `constraint` (None when it constrains nothing), built and
+        checked off the event loop. 400 naming the field for what cannot be enforced, and for a
+        sampling field that cannot go with a grammar (`prefix` + its name, e.g. "options.")."""
+        grammars, style = self.llm.engine.grammars, self.tool_style
+        grammar = await run_in_threadpool(structured.build, constraint, grammars, style, thinking)
+        if grammar is None:
+            return params, None
+        try:
+            return dataclasses.replace(params, grammar=grammar), grammar
+        except ValueError as e:  # "stop cannot be combined with structured output: ..."
+            name, _, rest = str(e).partition(" ")
+            raise bad(prefix + name, rest) from None
 
 
 def create_app(

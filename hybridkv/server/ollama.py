@@ -35,6 +35,7 @@ from hybridkv.server.auth import api_key
 from hybridkv.server.fields import Fields, bad
 from hybridkv.server.generation import EventStream, Generation
 from hybridkv.server.parsing import Content, OutputParser, Piece, Reasoning, ToolCall, merge
+from hybridkv.server.structured import ollama_constraint
 from hybridkv.server.tool_calls import tool_schemas
 
 NEVER_EXPIRES = "2318-11-26T00:00:00Z"  # what Ollama reports for a model kept loaded forever
@@ -140,7 +141,6 @@ def _think(body: Fields) -> bool | None:
 
 
 def _refuse_unsupported(body: Fields) -> None:
-    body.refuse("format", "structured output is not supported", allowed=("",))
     body.refuse("images", "images are not supported by this model", allowed=([],))
     for name in ("width", "height", "steps"):
         body.refuse(name, "image generation is not supported")
@@ -164,6 +164,7 @@ async def generate(request: Request) -> Response:
     stream = body.boolean("stream") is not False
     think = _think(body)
     options = _options(body)
+    constraint = ollama_constraint(body.get("format"))
     body.refuse("suffix", "is not supported (no fill-in-the-middle)", allowed=("",))
     body.refuse("template", "custom templates are not supported", allowed=("",))
     if raw and system:
@@ -184,13 +185,14 @@ async def generate(request: Request) -> Response:
         new, new_hints = await state.encode_chat(messages, None, **_think_kwargs(think))
         ids = list(context) + new
         hints = ([len(context) - 1] if context else []) + [len(context) + h for h in new_hints]
-    params = options.params(len(ids), state.max_model_len, "prompt")
+    thinking = not raw and state.opens_thinking(ids)
+    params, grammar = await state.constrained(
+        options.params(len(ids), state.max_model_len, "prompt"), constraint, thinking, prefix="options."
+    )
     generation = state.submit([(ids, hints, params)], api_key(request))
-    parse = {
-        "reasoning": not raw and state.opens_thinking(ids),
-        "tools": False,
-        "think": think is not False and not raw,
-    }
+    parse = {"reasoning": thinking, "tools": False, "think": think is not False and not raw}
+    if grammar is not None:
+        parse |= constraint.parser_options()
     reply = _Reply(state, generation, started, options.logprobs is not None, parse, chat=False)
     if stream:
         return EventStream(reply.chunks(), generation, "application/x-ndjson")
@@ -215,6 +217,7 @@ async def chat(request: Request) -> Response:
     stream = body.boolean("stream") is not False
     think = _think(body)
     options = _options(body)
+    constraint = ollama_constraint(body.get("format"))
     _refuse_unsupported(body)
     body.finish()
     if not messages:  # Ollama's "load the model" request
@@ -223,14 +226,19 @@ async def chat(request: Request) -> Response:
             {"model": state.model_id, "created_at": _now(), "message": message, "done": True, "done_reason": "load"}
         )
     ids, hints = await state.encode_chat(messages, tools, **_think_kwargs(think))
-    params = options.params(len(ids), state.max_model_len, "messages")
+    thinking = state.opens_thinking(ids)
+    params, grammar = await state.constrained(
+        options.params(len(ids), state.max_model_len, "messages"), constraint, thinking, prefix="options."
+    )
     generation = state.submit([(ids, hints, params)], api_key(request))
     parse = {
-        "reasoning": state.opens_thinking(ids),
+        "reasoning": thinking,
         "tools": tools is not None,
         "think": think is not False,
         "schemas": tool_schemas(tools),
     }
+    if grammar is not None:
+        parse |= constraint.parser_options()
     reply = _Reply(state, generation, started, options.logprobs is not None, parse, chat=True)
     if stream:
         return EventStream(reply.chunks(), generation, "application/x-ndjson")

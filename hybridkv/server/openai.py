@@ -1,9 +1,10 @@
 """OpenAI-compatible routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`.
 
 Supported request fields are read and checked one by one; fields that would change the answer
-and are not implemented (logit_bias, response_format other than text, tool_choice other than
-auto/none, suffix, best_of > n, audio, ...) are a 400 naming the field, and so is any
-field this module does not know. Fields that change nothing here (user, metadata, store=false,
+and are not implemented (logit_bias, suffix, best_of > n, audio, ...) are a 400 naming the
+field, and so is any field this module does not know. `response_format` (json_object,
+json_schema), `tool_choice` (required, a named function) and `parallel_tool_calls: false` are
+enforced by a grammar (see `structured`). Fields that change nothing here (user, metadata, store=false,
 service_tier, ...) are accepted. vLLM's extensions top_k, min_p, repetition_penalty,
 ignore_eos, stop_token_ids, chat_template_kwargs and prompt_logprobs are accepted too.
 
@@ -41,6 +42,7 @@ from hybridkv.server.auth import api_key
 from hybridkv.server.fields import Fields, bad
 from hybridkv.server.generation import EventStream, Generation
 from hybridkv.server.parsing import Content, OutputParser, Piece, Reasoning, ToolCall, merge
+from hybridkv.server.structured import openai_constraint
 from hybridkv.server.tool_calls import tool_schemas
 
 HARMLESS = frozenset({"user", "metadata", "service_tier", "safety_identifier", "prompt_cache_key"})
@@ -359,16 +361,12 @@ async def chat_completions(request: Request) -> Response:
     state.check_model(body.string("model", required=True))
     messages = _messages(body.array("messages", required=True))
     tools = body.array("tools") or None
-    tool_choice = body.get("tool_choice")
-    if tool_choice not in (None, "auto", "none"):
-        raise bad("tool_choice", 'only "auto" and "none" are supported')
-    if tool_choice == "none":
+    constraint = openai_constraint(body, tools)  # response_format, tool_choice, parallel_tool_calls
+    if constraint.calls == "none":
         tools = None  # the model neither sees nor calls them
-    body.refuse("parallel_tool_calls", "false is not supported", allowed=(True,))
     options = _options(body, chat=True)
     kwargs = body.mapping("chat_template_kwargs")
     template_kwargs = dict(kwargs.data) if kwargs is not None else {}
-    body.refuse("response_format", "only {'type': 'text'} is supported", allowed=({"type": "text"},))
     body.refuse("modalities", "only ['text'] is supported", allowed=(["text"],))
     body.refuse("store", "is not supported", allowed=(False,))
     for name in ("functions", "function_call", "audio", "prediction", "reasoning_effort", "verbosity"):
@@ -381,8 +379,12 @@ async def chat_completions(request: Request) -> Response:
     params = options.params
     if options.max_tokens is None:
         params = dataclasses.replace(params, max_tokens=max(1, state.max_model_len - len(ids)))
+    thinking = state.opens_thinking(ids)
+    params, grammar = await state.constrained(params, constraint, thinking)
     generation = state.submit([(ids, hints, params)], api_key(request))
-    parse = {"reasoning": state.opens_thinking(ids), "tools": tools is not None, "schemas": tool_schemas(tools)}
+    parse = {"reasoning": thinking, "tools": tools is not None, "schemas": tool_schemas(tools)}
+    if grammar is not None:
+        parse |= constraint.parser_options()
     reply = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time())}
     reply["model"] = state.model_id
     if options.stream:

@@ -44,6 +44,14 @@ CASES: list[tuple[str, str, Any, int, str]] = [
         "response_format",
     ),
     ("tool-choice", "/v1/chat/completions", CHAT | {"tool_choice": "required"}, 400, "tool_choice"),
+    (
+        "unenforceable-schema",
+        "/v1/chat/completions",
+        CHAT | {"response_format": {"type": "json_schema", "json_schema": {"schema": {"not": {}}}}},
+        400,
+        "response_format.json_schema.schema",
+    ),
+    ("format", "/api/generate", GENERATE | {"format": "xml"}, 400, "format"),
     ("unknown-field", "/v1/chat/completions", CHAT | {"frobnicate": True}, 400, "frobnicate"),
     (
         "image-part",

@@ -3,6 +3,7 @@ model listings say what the file is (format gguf, its quantization, its architec
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,3 +40,22 @@ def test_chat_uses_the_files_template_and_tokenizer(served_gguf: Served) -> None
     assert out.usage is not None and out.usage.prompt_tokens == len(prompt)
     # Qwen3.5's template, from the file
     assert llm.tokenizer.decode(prompt).endswith("<|im_start|>assistant\n<think>\n")
+
+
+def test_structured_output_with_the_files_tokenizer(served_gguf: Served) -> None:
+    """The grammar engine reads the tokenizer built from the file's metadata."""
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    out = served_gguf.openai().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "ok?"}],
+        max_tokens=16,
+        response_format={"type": "json_schema", "json_schema": {"name": "ok", "schema": schema}},
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    [choice] = out.choices
+    assert choice.finish_reason == "stop" and json.loads(choice.message.content or "") in ({"ok": True}, {"ok": False})

@@ -111,7 +111,6 @@ def test_unsupported_or_bad_options_are_400_naming_the_option(
 def test_unsupported_request_fields_are_400(served: Served) -> None:
     client = served.ollama()
     for call, field in [
-        (lambda: client.generate(model=MODEL, prompt="hi", format="json"), "format"),
         (lambda: client.chat(model=MODEL, messages=[{"role": "user", "content": "hi"}], think="high"), "think"),
         (lambda: client.generate(model=MODEL, prompt="hi", images=[b"\x89PNG"]), "images"),
     ]:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import httpx
+import jsonschema
 import ollama
 import openai
 import pytest
@@ -137,6 +138,62 @@ def test_ollama_chat_returns_the_tool_call_with_arguments_as_an_object(
     assert last.done and last.done_reason == "stop"
     assert last.prompt_eval_count == len(hf_prompt_ids(hf_tokenizer, think))
     assert last.eval_count == answer_tokens(hf_tokenizer, think)
+
+
+# -- constrained answers: the grammar starts after </think> ------------------------------------
+
+FORECAST = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("thinking", [True, False], ids=["thinking", "no-thinking"])
+def test_a_forced_call_is_the_models_own_xml_call_after_its_reasoning(
+    qwen35_server: Served, thinking: bool, stream: bool
+) -> None:
+    """The trained answer fits the grammar of a forced call in Qwen3.5's XML format, so forcing
+    changes nothing: the reasoning (free) and the call come out as without the grammar."""
+    kwargs: dict[str, Any] = {} if thinking else {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    answer = openai_answer(qwen35_server.openai(), stream, tool_choice=choice, parallel_tool_calls=False, **kwargs)
+    [(_, name, arguments)] = answer.calls
+    assert name == "get_weather" and json.loads(arguments) == ARGUMENTS
+    assert (answer.finish, answer.content) == ("tool_calls", None)
+    assert answer.reasoning == (REASONING if thinking else None)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("thinking", [True, False], ids=["thinking", "no-thinking"])
+def test_json_schema_output_follows_the_reasoning(qwen35_server: Served, thinking: bool, stream: bool) -> None:
+    """With thinking on, the model reasons freely and the JSON comes after </think>: the trained
+    reasoning is intact, the content (where the model would call the tool) is the schema's JSON."""
+    kwargs: dict[str, Any] = {} if thinking else {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}
+    response_format = {"type": "json_schema", "json_schema": {"name": "forecast", "schema": FORECAST}}
+    client = qwen35_server.openai()
+    answer = openai_answer(client, stream, response_format=response_format, tool_choice="none", **kwargs)
+    assert answer.finish == "stop" and not answer.calls
+    assert answer.content is not None and set(json.loads(answer.content)) == {"city", "days"}
+    jsonschema.validate(json.loads(answer.content), FORECAST)
+    assert answer.reasoning == (REASONING if thinking else None)
+
+
+def test_with_tools_offered_a_json_schema_answer_may_be_a_call_instead(qwen35_server: Served) -> None:
+    response_format = {"type": "json_schema", "json_schema": {"name": "forecast", "schema": FORECAST}}
+    answer = openai_answer(qwen35_server.openai(), False, response_format=response_format)  # tool_choice auto
+    [(_, name, arguments)] = answer.calls  # what the model was trained to answer
+    assert name == "get_weather" and json.loads(arguments) == ARGUMENTS and answer.reasoning == REASONING
+
+
+@pytest.mark.parametrize("think", [True, False], ids=["think", "no-think"])
+def test_ollama_format_with_think(qwen35_server: Served, think: bool) -> None:
+    options = {"temperature": 0, "num_predict": MAX_TOKENS}
+    out = qwen35_server.ollama().chat(model=MODEL, messages=MESSAGES, think=think, format=FORECAST, options=options)
+    assert out.done_reason == "stop" and (out.message.thinking or "") == (REASONING if think else "")
+    jsonschema.validate(json.loads(out.message.content or ""), FORECAST)
 
 
 # -- inputs a text model cannot take -----------------------------------------------------------
