@@ -42,6 +42,8 @@ against a third party without building anything at test time.
    no importance matrix) of a Qwen3.5 MoE whose every projection has rows of 256 (hidden 256, 64-wide
    heads, expert width 256), so its projections are Q4_K and Q6_K blocks rather than the fallback
    types a narrower model gets; its F32 conversion is not kept. gguf-py cannot write K-quants.
+   With it, `qwen35moe-k-q4_k_m.llama_cpp_logits.safetensors`: llama.cpp's own logits on that
+   file and PROMPT (`Llama.eval`, logits for every token), the engine-to-engine check.
 """
 
 from __future__ import annotations
@@ -154,7 +156,7 @@ def qwen35_k_checkpoint(path: Path) -> tuple[Any, list[int]]:
     text.update(
         hidden_size=256,
         head_dim=64,
-        linear_key_head_dim=32,
+        linear_key_head_dim=64,  # = the value head width: llama.cpp's qwen35 loader assumes it
         linear_value_head_dim=64,
         moe_intermediate_size=256,
         shared_expert_intermediate_size=256,
@@ -185,6 +187,16 @@ def llama_quantize(src: Path, dst: Path, ftype: int) -> None:
     params.ftype = ftype
     if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params) != 0:
         raise SystemExit(f"llama_model_quantize failed on {src}")
+
+
+def llama_cpp_logits(path: Path, tokens: list[int]) -> torch.Tensor:
+    """llama.cpp's own logits [T, V] on a GGUF file (llama-cpp-python, default context: F16 KV)."""
+    import llama_cpp
+    import numpy as np
+
+    llm = llama_cpp.Llama(str(path), n_ctx=256, logits_all=True, verbose=False)
+    llm.eval(tokens)
+    return torch.from_numpy(np.array(llm.scores[: len(tokens)], dtype=np.float32))
 
 
 def _encode(path: Path) -> list[int]:
@@ -275,6 +287,8 @@ def main() -> None:
             convert(llama, work / name, work / f"{name}-f32.gguf", "f32", "qwen35", ["--no-mtp"])
             files.append(args.out / f"{name}-q4_k_m.gguf")
             llama_quantize(work / f"{name}-f32.gguf", files[-1], 15)  # LLAMA_FTYPE_MOSTLY_Q4_K_M
+            theirs = {"tokens": torch.tensor(tokens), "logits": llama_cpp_logits(files[-1], tokens)}
+            save_file(theirs, str(args.out / f"{name}-q4_k_m.llama_cpp_logits.safetensors"))
     header = [
         f"# GGUF fixtures written by {version}'s convert_hf_to_gguf.py (scripts/make_gguf_fixtures.py)",
         "",

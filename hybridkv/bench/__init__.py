@@ -65,7 +65,19 @@ def add_parser(commands: Any) -> None:
         help=f"the random model to build ({DEFAULT_SHAPE}): "
         + "; ".join(f"{s.name}: {s.about}" for s in SHAPES.values()),
     )
-    model.add_argument("--model", metavar="DIR", help="a checkpoint directory to run instead of a built shape")
+    model.add_argument(
+        "--model",
+        metavar="PATH",
+        help="a checkpoint directory to run instead of a built shape (with --peer llama.cpp: a .gguf file)",
+    )
+    bench.add_argument(
+        "--peer",
+        choices=["transformers", "llama.cpp"],
+        default="transformers",
+        help="the engine to measure against (default transformers); llama.cpp runs --model FILE.gguf through "
+        "llama-cpp-python (the [peers] extra)",
+    )
+    bench.add_argument("--threads", type=int, metavar="N", help="threads for both engines (default: torch's)")
     bench.add_argument(
         "--cache-dir",
         metavar="DIR",
@@ -92,9 +104,13 @@ def main(args: argparse.Namespace) -> int:
         from rich.console import Console
     except ImportError:
         raise NotSupported("hybridkv bench prints with rich, which is not installed: pip install rich") from None
+    err = Console(stderr=True)
+    if args.peer == "llama.cpp":
+        return _main_llama_cpp(args, err)
     if args.model is not None and not Path(args.model).is_dir():
         raise FileNotFoundError(f"--model {args.model}: no such directory")
-    err = Console(stderr=True)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     try:
         document = run(
             Path(args.model) if args.model else None,
@@ -115,6 +131,28 @@ def main(args: argparse.Namespace) -> int:
     if not out.is_terminal:  # a file or a pipe: don't squeeze the table into 80 columns
         out = Console(width=160)
     print_table(document, out)
+    return 0
+
+
+def _main_llama_cpp(args: argparse.Namespace, err: Any) -> int:
+    from rich.console import Console
+
+    from hybridkv.bench.llama_cpp import print_llama_cpp
+    from hybridkv.bench.llama_cpp import run as run_llama_cpp
+    from hybridkv.bench.report import write_json
+    from hybridkv.bench.workload import FULL, QUICK
+
+    if args.model is None or not Path(args.model).is_file() or not args.model.endswith(".gguf"):
+        raise FileNotFoundError(
+            f"--peer llama.cpp runs a GGUF file in both engines: --model FILE.gguf, got {args.model}"
+        )
+    threads = args.threads or torch.get_num_threads()
+    log = lambda line: err.print(line, style="dim", highlight=False)  # noqa: E731
+    document = run_llama_cpp(Path(args.model), threads, QUICK if args.quick else FULL, log)
+    if args.json is not None:
+        write_json(document, args.json)
+    out = Console()
+    print_llama_cpp(document, out if out.is_terminal else Console(width=160))
     return 0
 
 

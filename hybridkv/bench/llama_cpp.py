@@ -1,0 +1,261 @@
+"""`hybridkv bench --peer llama.cpp --model FILE.gguf`: hybridkv and llama.cpp on the same GGUF
+file, in one run.
+
+llama.cpp runs through llama-cpp-python's low-level API (`pip install 'hybridkv[peers]'`: a source
+build): one context holding 8 sequences (`n_seq_max`), its memory kept between a chat's turns and
+never saved or restored, which is what its own server does with a slot per conversation. Both
+engines get the same threads (`--threads`; llama.cpp's n_threads = n_threads_batch) and the same
+token ids; repetitions alternate between the engines and medians count.
+
+    prefill_512      a fresh 512-token prompt to its last-token logits
+    decode_b1, _b8   per step after 512-token prompts in 1 / 8 sequences (ms/token; tok/s)
+    chat_turn8_ttft  the 8th turn's new tokens onto 7 turns of history held in the cache
+    regenerate_ttft  the last answer dropped, the prompt ready to sample again: hybridkv forks at
+                     the snapshot of the message boundary; llama.cpp cannot roll a recurrent state
+                     back without saved state, so it computes the prompt again
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from hybridkv.bench.report import _num
+from hybridkv.bench.scenarios import Result, _median, _timed
+from hybridkv.bench.workload import Chat, Plan, random_ids
+from hybridkv.cached_model import CachedModel
+from hybridkv.errors import NotSupported
+
+SEQUENCES = 8
+TARGETS = {"prefill_512": 1.0, "decode_b1": 1.0, "decode_b8": 1.5, "chat_turn8_ttft": 3.0, "regenerate_ttft": 3.0}
+
+
+class LlamaCpp:
+    """llama.cpp's model and one context of `SEQUENCES` sequences over a GGUF file."""
+
+    def __init__(self, path: Path, threads: int, n_ctx: int) -> None:
+        try:
+            import llama_cpp
+            from llama_cpp import _internals
+        except ImportError:
+            raise NotSupported(
+                "bench --peer llama.cpp needs llama-cpp-python: pip install 'hybridkv[peers]' (it builds llama.cpp)"
+            ) from None
+        self.version = str(getattr(llama_cpp, "__version__", "?"))
+        model_params = llama_cpp.llama_model_default_params()
+        self.model = _internals.LlamaModel(path_model=str(path), params=model_params, verbose=False)
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx, params.n_batch, params.n_ubatch = n_ctx, 512, 512
+        params.n_seq_max, params.kv_unified = SEQUENCES, True
+        params.n_threads = params.n_threads_batch = threads
+        self.ctx = _internals.LlamaContext(model=self.model, params=params, verbose=False)
+        self.batch = _internals.LlamaBatch(n_tokens=512, embd=0, n_seq_max=SEQUENCES, verbose=False)
+        self.positions = [0] * SEQUENCES
+
+    def clear(self, seq: int) -> None:
+        """Drop everything sequence `seq` holds."""
+        self.ctx.kv_cache_seq_rm(seq, -1, -1)
+        self.positions[seq] = 0
+
+    def feed(self, tokens: Mapping[int, Sequence[int]]) -> None:
+        """Each sequence's tokens after what it holds, 512 tokens a decode call, the last token of
+        each sequence asking for logits (what sampling needs)."""
+        pending = [(seq, pos, tok) for seq, ids in tokens.items() for pos, tok in enumerate(ids)]
+        last = {seq: len(ids) - 1 for seq, ids in tokens.items()}
+        b = self.batch.batch
+        for start in range(0, len(pending), 512):
+            chunk = pending[start : start + 512]
+            b.n_tokens = len(chunk)
+            for i, (seq, pos, tok) in enumerate(chunk):
+                b.token[i], b.pos[i] = tok, self.positions[seq] + pos
+                b.n_seq_id[i], b.seq_id[i][0], b.logits[i] = 1, seq, pos == last[seq]
+            self.ctx.decode(self.batch)
+        for seq, ids in tokens.items():
+            self.positions[seq] += len(ids)
+
+
+def _alternate(plan: Plan, ours: Callable[[], float], theirs: Callable[[], float]) -> tuple[float, float]:
+    for _ in range(plan.warmup):
+        ours(), theirs()
+    times = [(ours(), theirs()) for _ in range(plan.reps)]
+    return _median([t[0] for t in times]), _median([t[1] for t in times])
+
+
+def prefill(cm: CachedModel, peer: LlamaCpp, plan: Plan, n: int) -> Result:
+    ids = random_ids(n, cm.vocab_size, seed=n)
+
+    def ours() -> float:
+        seq = cm.new_sequence()
+        try:
+            return _timed(lambda: cm.feed({seq: ids}, logits="last"))
+        finally:
+            cm.release(seq)
+
+    def theirs() -> float:
+        peer.clear(0)
+        return _timed(lambda: peer.feed({0: ids}))
+
+    t_ours, t_theirs = _alternate(plan, ours, theirs)
+    return Result(f"prefill_{n}", n / t_ours, n / t_theirs, "tok/s", TARGETS.get(f"prefill_{n}"))
+
+
+def decode(cm: CachedModel, peer: LlamaCpp, plan: Plan, batch: int) -> Result:
+    name = f"decode_b{batch}"
+    prompts = [random_ids(plan.decode_prompt, cm.vocab_size, seed=1000 + i) for i in range(batch)]
+    steps = plan.warmup + plan.decode_steps
+    next_ids = [random_ids(steps, cm.vocab_size, seed=2000 + i) for i in range(batch)]
+    seqs = [cm.new_sequence() for _ in range(batch)]
+    try:
+        cm.feed({s: prompts[i] for i, s in enumerate(seqs)}, logits="last")
+        for i in range(batch):
+            peer.clear(i)
+        peer.feed({i: prompts[i] for i in range(batch)})
+        ours, theirs = [], []
+        for step in range(steps):
+            ours_feed = {s: [next_ids[i][step]] for i, s in enumerate(seqs)}
+            theirs_feed = {i: [next_ids[i][step]] for i in range(batch)}
+            t_ours = _timed(functools.partial(cm.feed, ours_feed, logits="last"))
+            t_theirs = _timed(functools.partial(peer.feed, theirs_feed))
+            if step >= plan.warmup:
+                ours.append(t_ours)
+                theirs.append(t_theirs)
+    finally:
+        for s in seqs:
+            cm.release(s)
+    t_ours, t_theirs = _median(ours), _median(theirs)
+    notes = {"prompt_tokens": plan.decode_prompt}
+    if batch == 1:
+        return Result(name, 1e3 * t_ours, 1e3 * t_theirs, "ms/token", TARGETS.get(name), notes=notes)
+    return Result(name, batch / t_ours, batch / t_theirs, "tok/s", TARGETS.get(name), notes=notes)
+
+
+def chat(cm: CachedModel, peer: LlamaCpp, plan: Plan) -> list[Result]:
+    layout = plan.chat
+    conv = Chat.build(layout, cm.vocab_size)
+    tokens = conv.tokens
+    last = layout.turns - 1
+    turn_start, prompt_end = conv.turn_starts[last], conv.reply_starts[last]
+    message_end = turn_start + layout.user
+    seq = cm.new_sequence()
+    try:
+        for t in range(last):  # hybridkv's history, with the snapshots its chat would take
+            start = 0 if t == 0 else conv.turn_starts[t]
+            cm.feed(
+                {seq: tokens[start : conv.turn_starts[t + 1]]},
+                snapshot_at={seq: conv.boundaries_in(start, conv.turn_starts[t + 1])},
+            )
+
+        def ours_turn() -> float:
+            elapsed = _timed(
+                lambda: cm.feed(
+                    {seq: tokens[turn_start:prompt_end]},
+                    logits="last",
+                    snapshot_at={seq: conv.boundaries_in(turn_start, prompt_end)},
+                )
+            )
+            if cm.truncate(seq, turn_start) != turn_start:
+                raise RuntimeError("the message-boundary snapshot before the last turn is missing")
+            return elapsed
+
+        def theirs_turn() -> float:
+            peer.clear(0)  # untimed: the history again, as its server holds it in the slot
+            peer.feed({0: tokens[:turn_start]})
+            return _timed(lambda: peer.feed({0: tokens[turn_start:prompt_end]}))
+
+        turn = _alternate(plan, ours_turn, theirs_turn)
+        cm.feed({seq: tokens[turn_start : len(tokens)]}, snapshot_at={seq: conv.boundaries_in(turn_start, len(tokens))})
+        header = tokens[message_end:prompt_end]
+        computed: list[int] = []
+
+        def ours_regenerate() -> float:
+            before = cm.stats()["tokens_computed"]
+            start = time.perf_counter()
+            child = cm.fork(seq, message_end)
+            cm.feed({child: header}, logits="last")
+            elapsed = time.perf_counter() - start
+            cm.release(child)
+            computed.append(cm.stats()["tokens_computed"] - before)
+            return elapsed
+
+        def theirs_regenerate() -> float:
+            peer.clear(0)
+            return _timed(lambda: peer.feed({0: tokens[:prompt_end]}))
+
+        regen = _alternate(plan, ours_regenerate, theirs_regenerate)
+    finally:
+        cm.release(seq)
+    notes = {"prompt_tokens": prompt_end, "history_tokens": turn_start}
+    return [
+        Result("chat_turn8_ttft", 1e3 * turn[0], 1e3 * turn[1], "ms", TARGETS["chat_turn8_ttft"], notes=notes),
+        Result(
+            "regenerate_ttft",
+            1e3 * regen[0],
+            1e3 * regen[1],
+            "ms",
+            TARGETS["regenerate_ttft"],
+            notes={**notes, "hybridkv_tokens_computed": computed[-1], "llama_cpp_tokens_computed": prompt_end},
+        ),
+    ]
+
+
+def run(path: Path, threads: int, plan: Plan, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Every scenario on the GGUF file at `path`; the JSON document (`print_llama_cpp` prints it)."""
+    import torch
+
+    from hybridkv.cache.config import CacheConfig
+
+    torch.set_num_threads(threads)
+    started = time.perf_counter()
+    n_ctx = max(plan.prefill_lens[0], plan.decode_prompt + plan.warmup + plan.decode_steps, 2048) + 64
+    log(f"loading {path} in both engines ({threads} threads)")
+    cm = CachedModel.load(path, cache=CacheConfig(max_model_len=n_ctx, max_sequences=2 * SEQUENCES + 2))
+    peer = LlamaCpp(path, threads, SEQUENCES * n_ctx)
+    results = []
+    log("prefill_512")
+    results.append(prefill(cm, peer, plan, plan.prefill_lens[0]))
+    for batch in (1, SEQUENCES):
+        log(f"decode_b{batch}")
+        results.append(decode(cm, peer, plan, batch))
+    log("chat_turn8_ttft, regenerate_ttft")
+    results.extend(chat(cm, peer, plan))
+    scenarios = {
+        r.name: {"hybridkv": r.hybridkv, "llama.cpp": r.transformers, "unit": r.unit, "ratio": r.ratio,
+                 "target_ratio": r.target, **r.notes}
+        for r in results
+    }  # fmt: skip
+    run_info = {
+        "file": str(path),
+        "threads": threads,
+        "llama_cpp_python": peer.version,
+        "seconds": time.perf_counter() - started,
+        "plan": {k: getattr(plan, k) for k in ("reps", "warmup", "decode_steps")},
+    }
+    return {"scenarios": scenarios, "run": run_info}
+
+
+def print_llama_cpp(document: dict[str, Any], console: Any) -> None:
+    from rich.table import Table
+
+    run = document["run"]
+    table = Table(
+        title=f"hybridkv vs llama.cpp (llama-cpp-python {run['llama_cpp_python']}): {Path(run['file']).name}, "
+        f"{run['threads']} threads, one run",
+        title_justify="left",
+    )
+    for column in ("scenario", "hybridkv", "llama.cpp", "unit", "ratio", "target"):
+        table.add_column(column, justify="left" if column in ("scenario", "unit") else "right")
+    for name, s in document["scenarios"].items():
+        met = s["target_ratio"] is None or s["ratio"] >= s["target_ratio"]
+        color = "" if s["target_ratio"] is None else "[green]" if met else "[red]"
+        target = "" if s["target_ratio"] is None else f"{color}≥ {s['target_ratio']:.1f}×"
+        table.add_row(name, _num(s["hybridkv"]), _num(s["llama.cpp"]), s["unit"], f"{color}{s['ratio']:.2f}×", target)
+    console.print(table)
+    console.print(
+        "ratio > 1: hybridkv better; regenerate: llama.cpp computes the whole prompt again "
+        f"({document['scenarios']['regenerate_ttft']['llama_cpp_tokens_computed']} tokens), hybridkv "
+        f"{document['scenarios']['regenerate_ttft']['hybridkv_tokens_computed']}",
+        highlight=False,
+    )
