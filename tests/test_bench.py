@@ -19,6 +19,7 @@ from hybridkv.bench.profile import op_families, part_times
 from hybridkv.bench.report import print_table, write_json
 from hybridkv.bench.workload import (
     BENCH_MODEL,
+    QUICK,
     SHAPES,
     Chat,
     ChatLayout,
@@ -324,3 +325,37 @@ def test_shape_and_model_are_exclusive(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "--shape", "qwen3.5-0.8b", "--model", str(tmp_path)])
     assert "not allowed with" in capsys.readouterr().err
+
+
+GGUF_K = Path(__file__).parent / "data" / "gguf" / "qwen35moe-k-q4_k_m.gguf"
+
+
+def test_the_llama_cpp_peer_runs_a_gguf_file(tmp_path, capsys):
+    assert cli.main(["bench", "--peer", "llama.cpp", "--model", str(tmp_path)]) == 2
+    assert "--model FILE.gguf" in capsys.readouterr().err
+
+
+def test_without_llama_cpp_python_the_peer_says_what_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    assert cli.main(["bench", "--peer", "llama.cpp", "--model", str(GGUF_K), "--quick"]) == 2
+    assert "pip install 'hybridkv[peers]'" in capsys.readouterr().err
+
+
+def test_against_llama_cpp_on_the_same_file():
+    """Runs where llama-cpp-python is installed (the [peers] extra; make test does not install it)."""
+    pytest.importorskip("llama_cpp")
+    from hybridkv.bench.llama_cpp import run as run_llama_cpp
+
+    plan = QUICK.replace(prefill_lens=(64, 128), decode_prompt=32, decode_steps=3, reps=1, warmup=0)
+    plan = plan.replace(chat=ChatLayout(turns=3, system=12, user=12, header=3, reply=8, edited=4))
+    doc = run_llama_cpp(GGUF_K, 1, plan, log=lambda line: None)
+    s = doc["scenarios"]
+    assert list(s) == ["prefill_64", "decode_b1", "decode_b8", "chat_turn8_ttft", "regenerate_ttft"]
+    assert all(v["hybridkv"] > 0 and v["llama.cpp"] > 0 for v in s.values())
+    regen = s["regenerate_ttft"]  # the answer dropped: hybridkv from its snapshot, llama.cpp from scratch
+    assert regen["hybridkv_tokens_computed"] == 3 and regen["llama_cpp_tokens_computed"] == regen["prompt_tokens"]
+    out = io.StringIO()
+    from hybridkv.bench.llama_cpp import print_llama_cpp
+
+    print_llama_cpp(doc, Console(file=out, width=160))
+    assert "hybridkv vs llama.cpp" in out.getvalue() and "regenerate_ttft" in out.getvalue()

@@ -40,6 +40,7 @@ class LlamaCpp:
         try:
             import llama_cpp
             from llama_cpp import _internals
+            from llama_cpp._utils import suppress_stdout_stderr
         except ImportError:
             raise NotSupported(
                 "bench --peer llama.cpp needs llama-cpp-python: pip install 'hybridkv[peers]' (it builds llama.cpp)"
@@ -51,7 +52,8 @@ class LlamaCpp:
         params.n_ctx, params.n_batch, params.n_ubatch = n_ctx, 512, 512
         params.n_seq_max, params.kv_unified = SEQUENCES, True
         params.n_threads = params.n_threads_batch = threads
-        self.ctx = _internals.LlamaContext(model=self.model, params=params, verbose=False)
+        with suppress_stdout_stderr():  # its context logs every graph input to stderr
+            self.ctx = _internals.LlamaContext(model=self.model, params=params, verbose=False)
         self.batch = _internals.LlamaBatch(n_tokens=512, embd=0, n_seq_max=SEQUENCES, verbose=False)
         self.positions = [0] * SEQUENCES
 
