@@ -24,6 +24,7 @@ from hybridkv.cached_model import CachedModel
 from hybridkv.engine.prefix_index import PrefixIndex
 from hybridkv.engine.request import Branch, Completion, FinishReason, Request, StreamEvent
 from hybridkv.engine.sampling import RequestSampler, SamplingParams, StopChecker
+from hybridkv.engine.threads import IdleCores
 from hybridkv.engine.tokenizer import IncrementalDecoder, Tokenizer
 from hybridkv.errors import CacheFull
 
@@ -46,6 +47,7 @@ class EngineConfig:
     max_cached_sequences: int | None = None
     max_queue: int = 256
     min_shared_prefix: int = 32
+    adapt_threads: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_queue"):
@@ -63,11 +65,15 @@ class Engine:
         tokenizer: Tokenizer,
         config: EngineConfig | None = None,
         generation_config: Mapping[str, Any] | None = None,
+        cores: IdleCores | None = None,
     ) -> None:
+        """`cores`: the thread governor, made before the model was loaded (`LLM` does); with
+        `adapt_threads` and none given, one is made here."""
         self.cm = cm
         self.tokenizer = tokenizer
         self.config = config = config or EngineConfig()
         self.generation_config = dict(generation_config or {})
+        self.cores = cores or (IdleCores() if config.adapt_threads else None)
         cache = cm.cache.config
         if cache.max_sequences < config.max_num_seqs + 1:
             raise ValueError(
@@ -184,6 +190,8 @@ class Engine:
         feeds, plan, snapshots = self._plan()
         if not feeds:
             return
+        if self.cores is not None:
+            self.cores.update()
         try:
             with torch.inference_mode():
                 logits = self.cm.feed(feeds, logits="last", snapshot_at=snapshots)

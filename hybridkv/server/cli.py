@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
 from typing import Any
 
@@ -23,7 +22,9 @@ def add_parser(commands: Any) -> None:
     )
     add_engine_flags(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    serve.add_argument(
+        "--port", type=int, default=8000, help="port to listen on (default 8000; 0: a free one, shown when serving)"
+    )
     serve.add_argument(
         "--max-queue", type=int, default=256, metavar="N", help="requests waiting at most; beyond, 429 (default 256)"
     )
@@ -44,20 +45,27 @@ def add_parser(commands: Any) -> None:
 
 def serve_command(args: argparse.Namespace) -> int:
     from hybridkv import cli
+    from hybridkv.server.serve import PortUnavailable, bind, serve
 
     try:
-        llm, model_id = _checked(args)
-    except cli.UsageError as e:  # caught here too: under `python -m hybridkv.cli`, cli.main's class differs
+        _check(args)
+        sock = bind(args.host, args.port)  # before the model loads: a busy port fails at once
+    except (cli.UsageError, PortUnavailable) as e:  # here too: under `python -m hybridkv.cli`, cli.main's class differs
         print(f"hybridkv: error: {e}", file=sys.stderr)
         return 2
-    from hybridkv.server.serve import serve
-
-    serve(llm, model_id, args.host, args.port, args.shutdown_timeout)
+    with sock:
+        try:
+            llm = cli.llm_from_args(args)
+        except cli.UsageError as e:
+            print(f"hybridkv: error: {e}", file=sys.stderr)
+            return 2
+        model_id = args.model_id or (llm.source.served_name if args.model else DEFAULT_MODEL_ID)
+        serve(llm, model_id, sock, args.shutdown_timeout)
     return 0
 
 
-def _checked(args: argparse.Namespace) -> tuple[Any, str]:
-    from hybridkv.cli import UsageError, llm_from_args
+def _check(args: argparse.Namespace) -> None:
+    from hybridkv.cli import UsageError
 
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
@@ -65,9 +73,3 @@ def _checked(args: argparse.Namespace) -> tuple[Any, str]:
         raise UsageError("--max-queue must be >= 1")
     if args.shutdown_timeout < 0:
         raise UsageError("--shutdown-timeout must be >= 0")
-    try:
-        socket.getaddrinfo(args.host, args.port)
-    except OSError as e:
-        raise UsageError(f"--host {args.host}: {e}") from None
-    llm = llm_from_args(args)
-    return llm, args.model_id or (llm.source.served_name if args.model else DEFAULT_MODEL_ID)
