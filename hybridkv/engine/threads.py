@@ -2,14 +2,16 @@
 
 A parallel region ends when its slowest thread does. A thread that shares its core with a busy
 process waits for its time slice (milliseconds) in every region, and a decode step runs hundreds
-of them: on a 2-core machine with one other CPU-bound process, two threads decoded 7–50× slower
-than one. A passive OpenMP wait policy halves the loss but slows every step on an idle machine
-(each region then wakes a sleeping thread), so instead the engine counts, every half second, the
-CPU time other processes took on this process's cores and runs on the cores they leave:
+of them: on this 2-core machine, with one other CPU-bound process, torch's default of two threads
+decoded 4–17× slower than one thread, and 10–50× with other work on the cores too. A passive
+OpenMP wait policy (OMP_WAIT_POLICY, read when torch loads libgomp) comes close to one thread
+there, but each region then wakes a sleeping thread: on an idle machine it decoded 2–4× slower
+than the default. So the engine counts the CPU time other processes took on this process's cores
+and runs on the cores they leave, looking again every half second:
 
     others = (busy time of our cores in /proc/stat − this process's CPU time) / wall time
     threads = floor(cores − others + 1/4), between 1 and torch's thread count at start
-"""
+""""""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import torch
 log = logging.getLogger("hybridkv.engine")
 
 INTERVAL = 0.5  # seconds between two looks at the cores
-FIRST_LOOK = 0.05  # the shortest window the first look takes (/proc/stat counts in 10 ms ticks)
+FIRST_LOOK = 0.1  # the window of the first look, when made (/proc/stat counts in 10 ms ticks)
 SLACK = 0.25  # a core counts as free while others use at most this share of it
 
 
@@ -51,29 +53,34 @@ def read_sample(cpus: frozenset[int]) -> Sample:
 
 
 class IdleCores:
-    """Sets torch's thread count, at most every `interval` seconds, to the cores of this process's
-    CPU set that other processes left idle since the last look (at least 1, at most `max_threads`,
-    torch's count when this is made). Make it before loading the model, so the first look, at the
-    first step, covers the load. Call `update()` from the thread that runs the model: OpenMP's thread
-    count belongs to the calling thread."""
+    """Sets torch's thread count to the cores of this process's CPU set that other processes left
+    idle (at least 1, at most `max_threads`: torch's count when this is made): first over a
+    `first_look` window when made (so the model loads on that count: before the load, with two
+    threads against a busy process, it took 2-7 s instead of 1), then at a step every `interval`
+    seconds, over the time since the last look. Call `update()` from the thread that runs the
+    model: OpenMP's thread count belongs to the calling thread."""
 
     def __init__(
         self,
         max_threads: int | None = None,
         interval: float = INTERVAL,
+        first_look: float = FIRST_LOOK,
         sample: Callable[[frozenset[int]], Sample] = read_sample,
+        cpus: frozenset[int] | None = None,
     ) -> None:
-        self.cpus = frozenset(os.sched_getaffinity(0))
+        self.cpus = cpus or frozenset(os.sched_getaffinity(0))
         self.max_threads = max_threads or torch.get_num_threads()
         self.interval = interval
         self.threads = self.max_threads
         self._sample = sample
-        self._looked = False
         try:
             self._last: Sample | None = sample(self.cpus)
         except (OSError, ValueError) as e:  # no /proc/stat (not Linux): keep torch's count
             log.info("cannot see what other processes use of the cores (%s); using %d threads", e, self.max_threads)
             self._last = None
+            return
+        time.sleep(first_look)
+        self._look()
 
     def others(self, now: Sample, before: Sample) -> float:
         """Cores' worth of CPU time other processes used between two readings."""
@@ -81,17 +88,20 @@ class IdleCores:
         return max(0.0, (now.busy - before.busy) - (now.own - before.own)) / wall if wall > 0 else 0.0
 
     def update(self) -> int:
-        """The thread count for the next step: decided at the first step that comes `FIRST_LOOK`
-        seconds after this was made, then again every `interval` seconds."""
-        if self._last is None or time.monotonic() - self._last.wall < (self.interval if self._looked else FIRST_LOOK):
+        """The thread count for the next step, looked at again once `interval` seconds have passed."""
+        if self._last is None or time.monotonic() - self._last.wall < self.interval:
             return self.threads
+        return self._look()
+
+    def _look(self) -> int:
+        assert self._last is not None
         now = self._sample(self.cpus)
         others = self.others(now, self._last)
-        self._last, self._looked = now, True
+        self._last = now
         threads = max(1, min(self.max_threads, int(len(self.cpus) - others + SLACK)))
         if threads != self.threads:
             log.debug("other processes use %.1f of %d cores: %d thread(s)", others, len(self.cpus), threads)
             self.threads = threads
-        if torch.get_num_threads() != threads:  # also on this thread's first step (a new OpenMP thread)
+        if torch.get_num_threads() != threads:  # also at the first step of a new thread (the server's engine)
             torch.set_num_threads(threads)
         return threads

@@ -2,30 +2,27 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
 
 from hybridkv import cli
-from hybridkv.engine.threads import IdleCores, Sample, read_sample
+from hybridkv.engine.threads import IdleCores, Sample
 
 
-def readings(*samples: Sample) -> Iterator[Sample]:
-    yield from samples
-
-
-def governor(cores: int, max_threads: int, others: float, own: float = 0.0) -> IdleCores:
-    """An IdleCores on `cores` CPUs whose second reading, 1 s after the first, shows other
-    processes using `others` cores and this one `own`."""
-    samples = readings(Sample(0.0, 0.0, 0.0), Sample(1.0, others + own, own))
-    cores_set = frozenset(range(cores))
-    made = IdleCores(max_threads, interval=0, sample=lambda cpus: next(samples))
-    made.cpus = cores_set
-    return made
+def governor(cores: int, max_threads: int, *looks: tuple[float, float]) -> IdleCores:
+    """An IdleCores on `cores` CPUs whose readings, 1 s apart, show other processes using
+    `others` cores and this one `own`, for each (others, own) in `looks`."""
+    samples = [Sample(0.0, 0.0, 0.0)]
+    for others, own in looks:
+        last = samples[-1]
+        samples.append(Sample(last.wall + 1, last.busy + others + own, last.own + own))
+    readings = iter(samples)
+    return IdleCores(max_threads, 0, 0, lambda cpus: next(readings), frozenset(range(cores)))
 
 
 @pytest.mark.parametrize(
@@ -43,20 +40,25 @@ def governor(cores: int, max_threads: int, others: float, own: float = 0.0) -> I
 def test_threads_are_the_cores_other_processes_leave_idle(
     cores: int, max_threads: int, others: float, own: float, threads: int
 ) -> None:
-    cores_governor = governor(cores, max_threads, others, own)
-    assert cores_governor.update() == threads
-    assert torch.get_num_threads() == threads
+    made = governor(cores, max_threads, (others, own))  # the first look, when made: before the model loads
+    assert made.threads == torch.get_num_threads() == threads
+
+
+def test_the_count_follows_other_processes_as_they_come_and_go() -> None:
+    made = governor(2, 2, (0.0, 0.5), (1.0, 1.0), (1.0, 1.0), (0.05, 2.0))
+    assert made.threads == 2
+    assert [made.update(), made.update(), made.update()] == [1, 1, 2]
+    assert torch.get_num_threads() == 2
 
 
 def test_a_busy_process_on_our_cores_takes_a_thread_away() -> None:
-    cores = IdleCores(interval=0)  # reading this machine's /proc/stat
-    if len(cores.cpus) < 2:
+    if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one core: always one thread")
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        cores._last = read_sample(cores.cpus)  # measure from now, the hog running
-        time.sleep(0.5)
-        assert cores.update() <= len(cores.cpus) - 1
+        time.sleep(0.2)  # the hog running
+        cores = IdleCores(first_look=0.5)  # reading this machine's /proc/stat
+        assert cores.threads <= len(cores.cpus) - 1
     finally:
         hog.kill()
         hog.wait()
