@@ -11,7 +11,7 @@ and runs on the cores they leave, looking again every half second:
 
     others = (busy time of our cores in /proc/stat − this process's CPU time) / wall time
     threads = floor(cores − others + 1/4), between 1 and torch's thread count at start
-""""""
+"""
 
 from __future__ import annotations
 

@@ -80,7 +80,7 @@ def _load() -> None:
     from torch.utils import cpp_extension
 
     name = build_name()
-    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))  # where load() would build it
     library = build_dir / f"{name}{cpp_extension.LIB_EXT}"
     building_elsewhere = (build_dir / "lock").exists()  # cpp_extension's lock: a build is under way
     if library.is_file() and not building_elsewhere:

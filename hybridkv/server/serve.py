@@ -51,7 +51,6 @@ def bind(host: str, port: int) -> socket.socket:
         else:
             why = e.strerror or str(e)
         raise PortUnavailable(f"cannot listen on {_url(host, port)}: {why}") from None
-    sock.set_inheritable(True)
     return sock
 
 
