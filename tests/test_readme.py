@@ -100,3 +100,15 @@ def test_readme_block_runs(block: Block, tmp_path: Path) -> None:
         pytest.fail(f"{block} ran for more than {limit} s; {HOW_TO_MARK}")
     tail = "\n".join(result.stderr.strip().splitlines()[-12:])
     assert result.returncode == 0, f"{block} failed (exit {result.returncode}):\n{tail}\n\n{HOW_TO_MARK}"
+
+
+def test_the_bench_durations_agree_between_readme_and_help(capsys: pytest.CaptureFixture[str]) -> None:
+    from hybridkv import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    in_help = re.search(r"about (\d+) s instead of about (\d+) s", help_text)
+    in_readme = re.search(r"hybridkv bench .*# about (\d+) s \(--quick: about (\d+) s\)", README.read_text())
+    assert in_help and in_readme, "the bench's durations are no longer stated in `bench --help` and README.md"
+    assert (in_help[1], in_help[2]) == (in_readme[2], in_readme[1])  # (quick, full) in both
