@@ -73,6 +73,7 @@ class IdleCores:
         self.interval = interval
         self.threads = self.max_threads
         self._sample = sample
+        self._applied = False
         try:
             self._last: Sample | None = sample(self.cpus)
         except (OSError, ValueError) as e:  # no /proc/stat (not Linux): keep torch's count
@@ -102,6 +103,10 @@ class IdleCores:
         if threads != self.threads:
             log.debug("other processes use %.1f of %d cores: %d thread(s)", others, len(self.cpus), threads)
             self.threads = threads
-        if torch.get_num_threads() != threads:  # also at the first step of a new thread (the server's engine)
+        # Set also when torch's count is the same, the first time: an explicit count decoded 5-8% faster
+        # than torch's implicit default of the same count (it also fixes MKL's threads, no dynamic
+        # adjustment). Checked at every look: a new thread (the server's engine) has its own count.
+        if not self._applied or torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
+            self._applied = True
         return threads
