@@ -31,6 +31,10 @@ if TYPE_CHECKING:
     from hybridkv.engine.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+TEMPERATURE_HELP = (
+    "0 = greedy (default: as the model's generation_config.json says, as in the server: greedy for the default "
+    "model; its top_k, top_p and min_p apply too)"
+)
 
 
 class UsageError(Exception):
@@ -64,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", nargs="?", metavar="PROMPT", help="text to continue (or use --prompt-ids)")
     gen.add_argument("--prompt-ids", metavar="IDS", help='token ids instead of text, e.g. "1,2,3"')
     gen.add_argument("--max-tokens", type=int, default=64, metavar="N", help="tokens to generate at most (default 64)")
-    gen.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
+    gen.add_argument("--temperature", type=float, metavar="T", help=TEMPERATURE_HELP)
     gen.add_argument("--seed", type=int, metavar="S", help="sampling seed (default: random)")
     add_engine_flags(gen, max_num_seqs=1)
     gen.set_defaults(run=_generate)
@@ -79,8 +83,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("prompt", nargs="?", metavar="PROMPT", help="one message to answer, then exit")
     run.add_argument("--max-tokens", type=int, default=512, metavar="N", help="tokens per answer at most (default 512)")
-    run.add_argument("--temperature", type=float, metavar="T", help="0 = greedy (default: the model's own)")
-    run.add_argument("--seed", type=int, metavar="S", help="sampling seed")
+    run.add_argument("--temperature", type=float, metavar="T", help=TEMPERATURE_HELP)
+    run.add_argument("--seed", type=int, metavar="S", help="sampling seed (default: random)")
     run.add_argument("--system", metavar="TEXT", help="a system message opening the conversation")
     run.add_argument(
         "--think",
@@ -117,7 +121,13 @@ def add_engine_flags(parser: argparse.ArgumentParser, max_num_seqs: int = 8) -> 
         help="quantize a float model's weights at load into GGUF blocks, computed on as a GGUF file's (default: as "
         "stored)",
     )
-    parser.add_argument("--threads", type=int, metavar="N", help="torch CPU threads")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help=f"CPU threads (default: as many of the {torch.get_num_threads()} torch would use as other processes "
+        "leave idle, looked at every half second: on a busy machine more threads only wait for each other)",
+    )
     parser.add_argument("--max-model-len", type=int, default=4096, metavar="N", help="context length (default 4096)")
     parser.add_argument(
         "--cache-memory",
@@ -171,7 +181,9 @@ def llm_from_args(args: argparse.Namespace) -> LLM:
         torch.set_num_threads(args.threads)
     source = resolve_model(args.model) if args.model else None
     engine = EngineConfig(
-        max_num_seqs=args.max_num_seqs, **({"max_queue": args.max_queue} if "max_queue" in args else {})
+        max_num_seqs=args.max_num_seqs,
+        adapt_threads=args.threads is None,
+        **({"max_queue": args.max_queue} if "max_queue" in args else {}),
     )
     budget = parse_size(args.cache_memory) if args.cache_memory else None
     cache = default_cache_config(
@@ -221,13 +233,16 @@ def _generate(args: argparse.Namespace) -> int:
 
     if args.max_tokens < 1:
         raise UsageError("--max-tokens must be >= 1")
-    if args.temperature < 0:
+    if args.temperature is not None and args.temperature < 0:
         raise UsageError("--temperature must be >= 0")
     model_dir = resolve_model(args.model).path if args.model else default_model_dir()
     llm = None
     if model_dir.is_dir():  # checks the prompt before the (slow) model load
-        tokenizer = Tokenizer.from_dir(model_dir)
-        vocab_size = _model_vocab_size(model_dir, tokenizer)
+        try:
+            tokenizer = Tokenizer.from_dir(model_dir)
+            vocab_size = _model_vocab_size(model_dir, tokenizer)
+        except ValueError as e:  # a corrupt tokenizer.json or config.json
+            raise UsageError(str(e)) from None
     else:  # a GGUF file: the tokenizer comes with the model
         llm = _load_llm(args)
         tokenizer, vocab_size = llm.tokenizer, llm.cm.vocab_size
@@ -285,7 +300,10 @@ def _prompt_ids(args: argparse.Namespace, tokenizer: Tokenizer, vocab_size: int)
 def _model_vocab_size(model_dir: Path, tokenizer: Tokenizer) -> int:
     """The model's vocabulary (often padded past the tokenizer's), from config.json when it says."""
     path = model_dir / "config.json"
-    config = json.loads(path.read_text()) if path.is_file() else {}
+    try:
+        config = json.loads(path.read_text()) if path.is_file() else {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
     vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
     return int(vocab) if vocab else tokenizer.vocab_size
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -98,3 +100,97 @@ def test_greedy_output_matches_transformers_on_the_default_model(capsys: pytest.
     new = [t for t in out[0, ids.shape[1] :].tolist() if t not in TOKENIZER.eos_token_ids]
     assert ours == TOKENIZER.decode(new)
     assert len(ours.split()) >= 3  # a trained model: words, not an immediate end of text
+
+
+def _model_copy(path: Path, generation_config: dict[str, object] | None = None) -> Path:
+    """The default model's files in `path` (weights linked), with another generation_config.json if given."""
+    path.mkdir()
+    for file in default_model_dir().iterdir():
+        if file.suffix == ".safetensors":
+            (path / file.name).symlink_to(file)
+        else:
+            shutil.copy(file, path / file.name)
+    if generation_config is not None:
+        (path / "generation_config.json").write_text(json.dumps(generation_config))
+    return path
+
+
+def _damaged(tmp_path: Path, kind: str) -> Path:
+    """A model, or something given as one, that cannot load: what `kind` says."""
+    if kind == "a file that is not a model":
+        return Path(shutil.copy(default_model_dir() / "config.json", tmp_path))
+    if kind == "a directory that holds no model":
+        return tmp_path
+    if kind == "a truncated GGUF file":
+        data = (Path(__file__).parent / "data" / "gguf" / "qwen35-tiny-f32.gguf").read_bytes()
+        (tmp_path / "tiny.gguf").write_bytes(data[: len(data) // 2])
+        return tmp_path / "tiny.gguf"
+    model = _model_copy(tmp_path / "model")
+    weights = (default_model_dir() / "model.safetensors").read_bytes()
+    if kind == "a truncated safetensors file":
+        (model / "model.safetensors").unlink()
+        (model / "model.safetensors").write_bytes(weights[: len(weights) // 3])
+    elif kind == "a safetensors file with a corrupt header":
+        (model / "model.safetensors").unlink()
+        (model / "model.safetensors").write_bytes(weights[:8] + b"{garbage" + weights[16:])
+    elif kind == "a truncated tokenizer.json":
+        (model / "tokenizer.json").write_text('{"version": "1.0", "trunc')
+    else:
+        assert kind == "a truncated config.json"
+        (model / "config.json").write_text('{"model_type": ')
+    return model
+
+
+@pytest.mark.parametrize("command", ["generate", "run"])
+@pytest.mark.parametrize(
+    ("kind", "named", "message"),
+    [
+        ("a truncated safetensors file", "model.safetensors", "not a valid safetensors file, truncated or corrupt"),
+        ("a safetensors file with a corrupt header", "model.safetensors", "not a valid safetensors file"),
+        ("a truncated GGUF file", "tiny.gguf", "truncated or corrupt"),
+        ("a truncated tokenizer.json", "tokenizer.json", "not a valid tokenizer.json"),
+        ("a truncated config.json", "config.json", "not valid JSON"),
+        ("a directory that holds no model", "", "is not a model: it has no config.json and no .gguf file"),
+        ("a file that is not a model", "config.json", "is not a model: a model is a directory with config.json"),
+    ],
+)
+def test_a_damaged_model_or_no_model_is_one_line_naming_the_file(
+    command: str, kind: str, named: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = _damaged(tmp_path, kind)
+    assert cli.main([command, "hi", "--model", str(model), "--max-tokens", "2", "--threads", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hybridkv: error:") and err.count("\n") == 1, err
+    assert message in err
+    if named:
+        assert f"{next(p for p in [model, *model.rglob('*')] if p.name == named)}" in err
+    if "is not a model" in message:
+        assert "config.json, tokenizer.json and model.safetensors" in err and ".gguf file" in err
+
+
+def test_generate_and_run_sample_as_the_models_generation_config_says(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sampling = _model_copy(tmp_path / "sampling", {"do_sample": True, "temperature": 1.0, "eos_token_id": []})
+
+    prompts = {"generate": "The function returns", "run": "Tell me about lists."}
+
+    def output(command: str, seed: int, model: Path | None = None) -> str:
+        argv = [command, prompts[command], "--max-tokens", "12", "--seed", str(seed), "--threads", "1"]
+        assert cli.main(argv + (["--model", str(model)] if model else [])) == 0
+        return capsys.readouterr().out
+
+    greedy = TOKENIZER.decode(greedy_ids(TOKENIZER.encode(prompts["generate"]), 12))
+    assert output("generate", 1) == greedy  # the default model says greedy
+    assert output("run", 1) == output("run", 2)
+    assert output("generate", 1, sampling) != output("generate", 2, sampling)
+    assert output("run", 1, sampling) != output("run", 2, sampling)
+
+
+@pytest.mark.parametrize("command", ["generate", "run"])
+def test_help_shows_the_sampling_defaults(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default: as the model's generation_config.json says, as in the server: greedy for the default" in out
+    assert "sampling seed (default: random)" in out

@@ -91,7 +91,11 @@ def add_parser(commands: Any) -> None:
         help="hybridkv quantizes the weights at load (transformers keeps --dtype): the ratio of what a user of each "
         "engine runs",
     )
-    bench.add_argument("--quick", action="store_true", help="fewer repetitions: the whole run in under 3 minutes")
+    bench.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer repetitions: about 50 s instead of about 60 s on an idle 2-core machine",
+    )
     bench.add_argument("--json", metavar="PATH", type=Path, help="also write the figures to PATH as JSON")
     bench.set_defaults(run=main)
 

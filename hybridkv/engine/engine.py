@@ -32,6 +32,7 @@ from hybridkv.engine.grammar import GrammarError, Grammars
 from hybridkv.engine.prefix_index import PrefixIndex
 from hybridkv.engine.request import Branch, Completion, FinishReason, Request, StreamEvent
 from hybridkv.engine.sampling import RequestSampler, SamplingParams, StopChecker, sample_batch, score_tokens
+from hybridkv.engine.threads import IdleCores
 from hybridkv.engine.tokenizer import IncrementalDecoder, Tokenizer
 from hybridkv.errors import CacheFull
 
@@ -57,6 +58,7 @@ class EngineConfig:
     max_cached_sequences: int | None = None
     max_queue: int = 256
     min_shared_prefix: int = 32
+    adapt_threads: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_queue"):
@@ -74,12 +76,16 @@ class Engine:
         tokenizer: Tokenizer,
         config: EngineConfig | None = None,
         generation_config: Mapping[str, Any] | None = None,
+        cores: IdleCores | None = None,
     ) -> None:
+        """`cores`: the thread governor, made before the model was loaded (`LLM` does); with
+        `adapt_threads` and none given, one is made here."""
         self.cm = cm
         self.tokenizer = tokenizer
         self.config = config = config or EngineConfig()
         self.generation_config = dict(generation_config or {})
         self.grammars = Grammars(tokenizer, cm.vocab_size)
+        self.cores = cores or (IdleCores() if config.adapt_threads else None)
         cache = cm.cache.config
         if cache.max_sequences < config.max_num_seqs + 1:
             raise ValueError(
@@ -198,6 +204,8 @@ class Engine:
         feeds, plan, snapshots, modes = self._plan()
         if not feeds:
             return
+        if self.cores is not None:
+            self.cores.update()
         try:
             with torch.inference_mode():
                 logits = self.cm.feed(feeds, logits=modes, snapshot_at=snapshots)

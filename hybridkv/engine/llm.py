@@ -17,6 +17,7 @@ from hybridkv.engine.chat_template import REASONING_FIELDS, ChatTemplate
 from hybridkv.engine.engine import Engine, EngineConfig
 from hybridkv.engine.request import Request, RequestOutput, StreamEvent
 from hybridkv.engine.sampling import SamplingParams
+from hybridkv.engine.threads import IdleCores
 from hybridkv.engine.tokenizer import Tokenizer
 from hybridkv.models.gguf import GGUFFile, file_type_name
 from hybridkv.models.sources import ResolvedModel, resolve_model
@@ -69,6 +70,7 @@ class LLM:
             log.warning("%s: %s", self.source.served_name, note)
         self.model_dir = self.source.path  # the checkpoint directory, or the (first) GGUF file
         engine = engine or EngineConfig()
+        cores = IdleCores() if engine.adapt_threads else None  # before the load: its first look covers it
         self.cm = CachedModel.load(
             self.source, parse_dtype(dtype), cache or default_cache_config(engine), quantize=quantize
         )
@@ -92,7 +94,7 @@ class LLM:
             dtype_name = {torch.float32: "F32", torch.bfloat16: "BF16"}.get(self.cm.dtype, str(self.cm.dtype))
             self.quantization = quantize.upper() if quantize else dtype_name
         self.generation_config = {**generation_config, **self.source.sampling_defaults}  # ollama's params layer
-        self.engine = Engine(self.cm, self.tokenizer, engine, self.generation_config)
+        self.engine = Engine(self.cm, self.tokenizer, engine, self.generation_config, cores)
         self._generated: OrderedDict[str, list[int]] = OrderedDict()
 
     # -- prompts ------------------------------------------------------------------------------

@@ -30,8 +30,13 @@ class Tokenizer:
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
-            raise FileNotFoundError(f"no tokenizer.json in {model_dir}")
-        backend = tokenizers.Tokenizer.from_file(str(path))
+            raise FileNotFoundError(
+                f"no tokenizer.json in {model_dir}: a model directory holds config.json, tokenizer.json and its weights"
+            )
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+            raise ValueError(f"{path}: not a valid tokenizer.json, truncated or corrupt ({e})") from None
         eos: set[int] = set()
         config = _read_json(model_dir / "config.json")
         text_config = config.get("text_config")
@@ -109,5 +114,8 @@ class IncrementalDecoder:
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
-    data = json.loads(path.read_text())
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
     return data if isinstance(data, dict) else {}

@@ -121,11 +121,13 @@ def _from_path(path: Path, kind: Kind = "dir", served_name: str | None = None) -
         if len(sets) > 1:
             names = ", ".join(p.name for p in sets)
             raise ModelNotFound(f"{path} has no config.json but several GGUF models ({names}): name one of the files")
-        if not sets:  # a checkpoint directory: the loader checks its files
+        if not sets and (path / "config.json").is_file():  # a checkpoint directory: the loader checks its files
             return ResolvedModel(kind, path, served_name or path.name, f"{_KIND_WORDS[kind]} {path}")
+        if not sets:
+            raise ModelNotFound(f"{path} is not a model: it has no config.json and no .gguf file; {EXPECTED}")
         path = sets[0]
     if path.suffix != ".gguf":
-        raise ModelNotFound(f"{path} is neither a model directory nor a .gguf file")
+        raise ModelNotFound(f"{path} is not a model: {EXPECTED}")
     parts = gguf_parts(path)
     kind = "hf" if kind == "hf" else "gguf"
     set_name = _SPLIT.sub(r"\g<stem>", path.name).removesuffix(".gguf")
@@ -134,6 +136,10 @@ def _from_path(path: Path, kind: Kind = "dir", served_name: str | None = None) -
 
 
 _KIND_WORDS = {"dir": "directory", "gguf": "GGUF", "ollama": "ollama", "hf": "Hugging Face cache"}
+EXPECTED = (
+    "a model is a directory with config.json, tokenizer.json and model.safetensors (or "
+    "model.safetensors.index.json and its shards), or a .gguf file"
+)
 
 
 def _names_a_set(path: Path) -> bool:

@@ -15,10 +15,10 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from hybridkv.errors import NotSupported
 
@@ -110,7 +110,7 @@ class Checkpoint:
             files = [single]
         else:
             raise MissingWeightsFile(f"{self.model_dir}: no weights found (looked for {SINGLE_FILE} and {INDEX_FILE})")
-        self._handles = {path: safe_open(str(path), framework="pt") for path in files}
+        self._handles = {path: _open_safetensors(path) for path in files}
         self.file_of: dict[str, Path] = {}
         for path, handle in self._handles.items():
             self.file_of.update(dict.fromkeys(handle.keys(), path))
@@ -152,6 +152,14 @@ class Checkpoint:
 
     def read(self, name: str) -> torch.Tensor:
         return self._handles[self.file_of[name]].get_tensor(name)
+
+
+def _open_safetensors(path: Path) -> Any:
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as e:  # safetensors checks the header and that the data covers the file
+        detail = str(e).removeprefix("Error while deserializing header: ")
+        raise WeightsError(f"{path}: not a valid safetensors file, truncated or corrupt ({detail})") from None
 
 
 def load_weights(

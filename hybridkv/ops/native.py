@@ -10,9 +10,11 @@ compiler, `HYBRIDKV_NATIVE=0`) and that the tests compare it with:
     gdn_forward(mixed, ...)      GatedDeltaNet's PyTorch path after in_proj (conv, norms, gates, delta rule)
     attention_decode(qkv, ...)   GatedAttention's PyTorch decode step (norms, RoPE, paged attention, gate)
 
-The build (~10 s; the system's g++, ninja from PyPI) is cached by torch.utils.cpp_extension under
-$TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), per source and per CPU feature set,
-since the code is built with -march=native.
+The build (~10 s; the system's g++, ninja from PyPI) goes to a directory of torch.utils.cpp_extension's
+root ($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions) named by a hash of what makes the
+library — the sources' bytes, the flags, torch's version — and of this CPU's features (the code is
+built with -march=native), never by where the sources lie: every checkout of the same sources on
+this machine loads the one library, which is opened directly when it exists (no ninja run).
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ DISABLE_ENV = "HYBRIDKV_NATIVE"
 disabled = os.environ.get(DISABLE_ENV) == "0"
 
 
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
+
+
 def _cpu_tag() -> str:
     """A short hash of this CPU's feature flags: a build for one CPU may not run on another."""
     try:
@@ -48,34 +54,61 @@ def _cpu_tag() -> str:
     return hashlib.sha256(flags.encode()).hexdigest()[:8]
 
 
+def build_name(sources: list[Path] = SOURCES) -> str:
+    """The library's name: a hash of the sources' names and bytes (every .cpp and .h in csrc/),
+    the build flags and torch's version, then the CPU tag. Equal sources give equal names wherever
+    they are checked out; a changed byte gives a new name (a build beside the old library)."""
+    digest = hashlib.sha256(f"{torch.__version__} {CFLAGS} {LDFLAGS}".encode())
+    for path in sorted({*sources, *(p for p in sources[0].parent.iterdir() if p.suffix in (".cpp", ".h"))}):
+        digest.update(f"\0{path.name}\0".encode() + path.read_bytes())
+    return f"hybridkv_kernels_{digest.hexdigest()[:12]}_{_cpu_tag()}"
+
+
 @functools.cache
 def kernels() -> Any | None:
     """`torch.ops.hybridkv` once built and loaded, or None (the build failed: logged once)."""
-    log.info("building or loading the C++ kernels (%s)", SOURCE.name)
-    start = time.perf_counter()
     try:
-        import ninja  # the PyPI package: its binary may not be on PATH when the venv is not activated
-        from torch.utils import cpp_extension
-
-        if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
-            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-
-        # -fopenmp: at::parallel_for is inline OpenMP in torch's CPU build, so without it the kernels
-        # would run on one thread. The extension then binds to torch's own libgomp (same soname,
-        # already loaded): one thread pool, not two competing for the cores.
-        cpp_extension.load(
-            name=f"hybridkv_kernels_{_cpu_tag()}",
-            sources=[str(p) for p in SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-        )
+        _load()
     except Exception as exc:  # no compiler, no ninja, unsupported platform: the PyTorch path still works
         log.warning("hybridkv C++ kernels unavailable, using the PyTorch path (slower decode and prefill): %s", exc)
         return None
-    if (seconds := time.perf_counter() - start) > 2:  # a build, not a load from the cache
-        log.warning("built hybridkv's C++ kernels for this CPU in %.0f s (once: they are cached)", seconds)
     return torch.ops.hybridkv
+
+
+def _load() -> None:
+    """Load the library of these sources for this CPU, building it first if no checkout has."""
+    from torch.utils import cpp_extension
+
+    name = build_name()
+    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))  # where load() would build it
+    library = build_dir / f"{name}{cpp_extension.LIB_EXT}"
+    building_elsewhere = (build_dir / "lock").exists()  # cpp_extension's lock: a build is under way
+    if library.is_file() and not building_elsewhere:
+        torch.ops.load_library(str(library))
+        return
+    log.info("building the C++ kernels (%s) in %s", ", ".join(p.name for p in SOURCES), build_dir)
+    start = time.perf_counter()
+    import ninja  # the PyPI package: its binary may not be on PATH when the venv is not activated
+
+    if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    # -fopenmp: at::parallel_for is inline OpenMP in torch's CPU build, so without it the kernels
+    # would run on one thread. The extension then binds to torch's own libgomp (same soname,
+    # already loaded): one thread pool, not two competing for the cores. load() waits for another
+    # process's build of the same name (its lock), then loads the library that one left.
+    cpp_extension.load(
+        name=name,
+        sources=[str(p) for p in SOURCES],
+        extra_cflags=CFLAGS,
+        extra_ldflags=LDFLAGS,
+        build_directory=str(build_dir),
+        is_python_module=False,
+    )
+    seconds = time.perf_counter() - start
+    if building_elsewhere:
+        log.warning("waited %.0f s for another process to build hybridkv's C++ kernels", seconds)
+    else:
+        log.warning("built hybridkv's C++ kernels for this CPU in %.0f s (once: cached in %s)", seconds, build_dir)
 
 
 def enabled(*tensors: torch.Tensor) -> bool:

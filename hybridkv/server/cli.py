@@ -28,7 +28,9 @@ def add_parser(commands: Any) -> None:
     )
     add_engine_flags(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    serve.add_argument(
+        "--port", type=int, default=8000, help="port to listen on (default 8000; 0: a free one, shown when serving)"
+    )
     serve.add_argument(
         "--max-queue", type=int, default=256, metavar="N", help="requests waiting at most; beyond, 429 (default 256)"
     )
@@ -80,21 +82,29 @@ def _add_access_flags(serve: argparse.ArgumentParser) -> None:
 
 def serve_command(args: argparse.Namespace) -> int:
     from hybridkv import cli
+    from hybridkv.server.serve import PortUnavailable, bind, serve
 
     try:
-        llm, model_id, access = _checked(args)
-    except cli.UsageError as e:  # caught here too: under `python -m hybridkv.cli`, cli.main's class differs
+        access = _check(args)  # flags, keys, TLS files, the loopback rule: before anything loads
+        sock = bind(args.host, args.port)  # before the model loads: a busy port fails at once
+    except (cli.UsageError, PortUnavailable) as e:  # here too: under `python -m hybridkv.cli`, cli.main's class differs
         print(f"hybridkv: error: {e}", file=sys.stderr)
         return 2
-    from hybridkv.server.serve import serve
-
-    tls = {"ssl_certfile": args.ssl_certfile, "ssl_keyfile": args.ssl_keyfile}
-    serve(llm, model_id, args.host, args.port, args.shutdown_timeout, access, **tls)
+    with sock:
+        try:
+            llm = cli.llm_from_args(args)
+        except cli.UsageError as e:
+            print(f"hybridkv: error: {e}", file=sys.stderr)
+            return 2
+        model_id = args.model_id or (llm.source.served_name if args.model else DEFAULT_MODEL_ID)
+        tls = {"ssl_certfile": args.ssl_certfile, "ssl_keyfile": args.ssl_keyfile}
+        serve(llm, model_id, sock, args.shutdown_timeout, access, **tls)
     return 0
 
 
-def _checked(args: argparse.Namespace) -> tuple[Any, str, Any]:
-    from hybridkv.cli import UsageError, llm_from_args
+def _check(args: argparse.Namespace) -> Any:
+    """Every flag the server can refuse, checked; the `Access` they ask for."""
+    from hybridkv.cli import UsageError
     from hybridkv.server.auth import AccessError
 
     if not 0 <= args.port < 65536:
@@ -112,8 +122,7 @@ def _checked(args: argparse.Namespace) -> tuple[Any, str, Any]:
     except AccessError as e:
         raise UsageError(str(e)) from None
     _check_tls(args.ssl_certfile, args.ssl_keyfile)
-    llm = llm_from_args(args)
-    return llm, args.model_id or (llm.source.served_name if args.model else DEFAULT_MODEL_ID), access
+    return access
 
 
 def _access(args: argparse.Namespace) -> Any:

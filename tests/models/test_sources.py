@@ -123,6 +123,9 @@ def test_a_single_gguf_file_and_a_file_that_is_not_one(tmp_path: Path) -> None:
 def test_an_existing_path_wins_over_an_ollama_name(pull: Pull) -> None:
     pull("registry.ollama.ai/library/qwen3/latest", {MODEL: GGUF})
     Path("qwen3").mkdir()  # in the working directory
+    with pytest.raises(ModelNotFound, match="qwen3 is not a model: it has no config.json"):
+        resolve_model("qwen3")  # the path is taken, and said not to be a model
+    (Path("qwen3") / "config.json").write_text("{}")
     assert resolve_model("qwen3").kind == "dir"
 
 

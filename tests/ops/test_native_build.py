@@ -1,0 +1,69 @@
+"""Where the C++ kernels' build is cached: by what the sources are, not where they lie."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from torch.utils import cpp_extension
+
+from hybridkv.ops import native
+
+pytestmark = pytest.mark.skipif(native.kernels() is None, reason="C++ kernels could not be built here")
+
+PACKAGE = Path(native.__file__).parents[1]
+LOAD = (
+    "import logging, sys; logging.basicConfig(level=logging.INFO, format='%(message)s'); "
+    "from hybridkv.ops import native; sys.exit(native.kernels() is None)"
+)
+
+
+def _checkout(root: Path) -> Path:
+    """A second checkout of this source tree (the package without its model) at another path."""
+    shutil.copytree(PACKAGE, root / "hybridkv", ignore=shutil.ignore_patterns("assets", "__pycache__"))
+    return root
+
+
+def _load_in(checkout: Path, extensions: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(checkout), "TORCH_EXTENSIONS_DIR": str(extensions)}
+    return subprocess.run([sys.executable, "-c", LOAD], env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_the_name_follows_the_sources_bytes_not_their_path(tmp_path: Path) -> None:
+    copy = shutil.copytree(native.SOURCE.parent, tmp_path / "elsewhere" / "csrc")
+    sources = sorted(copy.glob("*.cpp"))
+    assert native.build_name(sources) == native.build_name()
+    with open(sources[0], "a") as f:
+        f.write("\n// one more line\n")
+    assert native.build_name(sources) != native.build_name()
+
+
+def test_a_second_checkout_loads_the_library_the_first_built_without_building(tmp_path: Path) -> None:
+    name = native.build_name()
+    built = Path(cpp_extension._get_build_directory(name, verbose=False)) / f"{name}{cpp_extension.LIB_EXT}"
+    extensions = tmp_path / "torch_extensions"
+    (extensions / name).mkdir(parents=True)
+    library = Path(shutil.copy2(built, extensions / name))
+    mtime = library.stat().st_mtime_ns
+
+    result = _load_in(_checkout(tmp_path / "checkout2"), extensions)
+
+    assert result.returncode == 0, result.stderr
+    assert "build" not in result.stderr, result.stderr  # neither "building" nor "built"
+    assert library.stat().st_mtime_ns == mtime
+    assert sorted(p.name for p in (extensions / name).iterdir()) == [library.name]  # no ninja file, no objects
+
+
+@pytest.mark.slow
+def test_a_build_is_announced_once_then_loads_silently(tmp_path: Path) -> None:
+    checkout, extensions = _checkout(tmp_path / "checkout"), tmp_path / "torch_extensions"
+    first = _load_in(checkout, extensions)
+    assert first.returncode == 0, first.stderr
+    assert "built hybridkv's C++ kernels for this CPU" in first.stderr
+    second = _load_in(_checkout(tmp_path / "other"), extensions)
+    assert second.returncode == 0, second.stderr
+    assert "built" not in second.stderr
