@@ -19,6 +19,7 @@ import pytest
 from served import MODEL
 
 from hybridkv.cli import main
+from hybridkv.server import serve as serve_module
 from hybridkv.server.auth import Access, AccessError, exposed_addresses, load_keys
 from hybridkv.server.serve import make_server
 
@@ -162,6 +163,13 @@ def test_serve_with_a_key_or_allowed_goes_on_to_load_the_model(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], flags: list[str]
 ) -> None:
     monkeypatch.setattr(socket, "getaddrinfo", fake_resolver(NAMES))
+
+    def bind_loopback(host: str, port: int) -> socket.socket:  # the fake names are not this machine's
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        return sock
+
+    monkeypatch.setattr(serve_module, "bind", bind_loopback)  # serve binds before the model loads
     assert main(["serve", "--model", NO_MODEL, *flags]) == 2
     assert "not found" in capsys.readouterr().err  # past every check, at the model
 
