@@ -40,20 +40,20 @@ class LlamaCpp:
         try:
             import llama_cpp
             from llama_cpp import _internals
-            from llama_cpp._utils import suppress_stdout_stderr
+            from llama_cpp._logger import set_verbose
         except ImportError:
             raise NotSupported(
                 "bench --peer llama.cpp needs llama-cpp-python: pip install 'hybridkv[peers]' (it builds llama.cpp)"
             ) from None
         self.version = str(getattr(llama_cpp, "__version__", "?"))
+        set_verbose(False)  # llama.cpp's log (every graph input of every context) only on errors
         model_params = llama_cpp.llama_model_default_params()
         self.model = _internals.LlamaModel(path_model=str(path), params=model_params, verbose=False)
         params = llama_cpp.llama_context_default_params()
         params.n_ctx, params.n_batch, params.n_ubatch = n_ctx, 512, 512
         params.n_seq_max, params.kv_unified = SEQUENCES, True
         params.n_threads = params.n_threads_batch = threads
-        with suppress_stdout_stderr():  # its context logs every graph input to stderr
-            self.ctx = _internals.LlamaContext(model=self.model, params=params, verbose=False)
+        self.ctx = _internals.LlamaContext(model=self.model, params=params, verbose=False)
         self.batch = _internals.LlamaBatch(n_tokens=512, embd=0, n_seq_max=SEQUENCES, verbose=False)
         self.positions = [0] * SEQUENCES
 
