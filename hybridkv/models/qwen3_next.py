@@ -37,7 +37,7 @@ from hybridkv.ops.delta_rule import chunk_gated_delta_rule, recurrent_gated_delt
 from hybridkv.ops.dtypes import f32
 from hybridkv.ops.matmul import FEW_ROWS, Weight, linear, mm_t, swiglu
 from hybridkv.ops.moe import Experts, moe_block
-from hybridkv.ops.quant.linear import QuantExperts, QuantLinear
+from hybridkv.ops.quant.linear import QuantExperts, QuantLinear, block_matmul
 from hybridkv.ops.quant.weight import QuantizedWeight
 
 
@@ -279,7 +279,7 @@ class Qwen3NextModel(nn.Module):
         if self.lm_head is not None:
             logits = linear(x, self.lm_head)
         elif isinstance(self.embed, QuantizedWeight):
-            logits = QuantLinear((self.embed,)).matmul(x)
+            logits = block_matmul(x, self.embed)
         else:
             logits = mm_t(x, self.embed)
         return logits.float()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 import time
 from dataclasses import dataclass
@@ -18,6 +19,20 @@ from hybridkv.engine.engine import EngineConfig
 from hybridkv.engine.llm import LLM
 from hybridkv.server.auth import Access
 from hybridkv.server.serve import GracefulServer, make_server
+
+
+def wait_until_healthy(process: subprocess.Popen[str], url: str, seconds: float = 60) -> None:
+    """Poll a `hybridkv serve` child's /health until it answers 200 (it must not exit meanwhile)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        assert process.poll() is None, process.communicate()[1]
+        assert time.monotonic() < deadline, "the server did not come up"
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.1)
+
 
 MODEL = "tiny-chat"
 MAX_MODEL_LEN = 1024

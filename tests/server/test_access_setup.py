@@ -10,13 +10,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from served import MODEL
+from served import MODEL, wait_until_healthy
 
 from hybridkv.cli import main
 from hybridkv.server import serve as serve_module
@@ -215,15 +214,7 @@ def test_serve_with_keys_from_all_sources_logs_none(model_dir: Path, tmp_path: P
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     url, wrong = f"http://127.0.0.1:{port}", "wrong-key-0000"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, process.communicate()[1]
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:  # open without a key
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        wait_until_healthy(process, url)
         for key in keys.values():
             assert httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 200
         assert httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {wrong}"}).status_code == 401

@@ -11,19 +11,17 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import httpx
 import jsonschema
 import ollama
 import openai
 import pytest
 import torch
 from qwen35_weather import ANSWERS, ARGUMENTS, MESSAGES, REASONING, TOOLS, hf_prompt_ids, write_weather_model
-from served import MODEL, Served, start, stop
+from served import MODEL, Served, start, stop, wait_until_healthy
 
 from hybridkv import CacheConfig, cli
 from hybridkv.engine.engine import EngineConfig
@@ -282,15 +280,7 @@ def test_serve_command_answers_with_the_tool_call(weather_model: tuple[Path, Any
     command += ["--max-model-len", "2048", "--max-num-seqs", "1"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, process.communicate()[1]
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        wait_until_healthy(process, f"http://127.0.0.1:{port}")
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
         assert [m.id for m in client.models.list()] == [path.name]
         answer = openai_answer(

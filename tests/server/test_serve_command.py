@@ -10,10 +10,10 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
+from served import wait_until_healthy
 
 
 def test_serve_starts_answers_and_stops_on_ctrl_c(model_dir: Path) -> None:
@@ -24,15 +24,7 @@ def test_serve_starts_answers_and_stops_on_ctrl_c(model_dir: Path) -> None:
     command += ["--max-model-len", "256", "--max-num-seqs", "2", "--max-queue", "4", "--threads", "1"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, process.communicate()[1]
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        wait_until_healthy(process, f"http://127.0.0.1:{port}")
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"]
         assert [m["id"] for m in models] == [model_dir.name]
         answer = httpx.post(
