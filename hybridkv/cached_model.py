@@ -12,6 +12,7 @@ import torch
 
 from hybridkv.cache.config import CacheConfig, CacheSpec, PoolSizes
 from hybridkv.cache.hybrid import HybridCache
+from hybridkv.errors import NotSupported
 from hybridkv.models import ModelConfig, Qwen3NextModel, load_model, read_checkpoint, weights_nbytes
 from hybridkv.models.sources import ResolvedModel, resolve_model
 from hybridkv.models.weights import check_memory_fit
@@ -86,6 +87,21 @@ class CachedModel:
     @property
     def vocab_size(self) -> int:
         return self.config.vocab_size
+
+    @property
+    def has_mtp(self) -> bool:
+        """Does the loaded model carry a multi-token-prediction block to draft with?"""
+        return getattr(self.model, "mtp", None) is not None
+
+    @property
+    def spec_needs_rows(self) -> bool:
+        """Does verifying drafts take verify rows (`CacheConfig.verify_rows`): recurrent layers?"""
+        return self.cache.spec.num_linear_layers > 0
+
+    def draft_mtp(self, pending: Mapping[int, int], k: int) -> dict[int, list[int]]:
+        """k greedy drafts per sequence from the model's MTP block (sequence -> its sampled,
+        not yet fed, next token)."""
+        raise NotSupported("this model has no multi-token-prediction block to draft with")
 
     # -- sequences ----------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hybridkv.cache.config import BudgetTooSmall
+from hybridkv.engine.speculative import SPEC_METHODS, SpeculativeConfig
 from hybridkv.errors import NotSupported
 from hybridkv.models.sources import resolve_model
 from hybridkv.models.weights import InsufficientMemory, format_bytes
@@ -145,6 +146,32 @@ def add_engine_flags(parser: argparse.ArgumentParser, max_num_seqs: int = 8) -> 
         metavar="N",
         help=f"sequences decoding at once ({max_num_seqs})",
     )
+    add_speculative_flags(parser)
+
+
+def add_speculative_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--speculative",
+        choices=SPEC_METHODS,
+        default="off",
+        help="speculative decoding, exact (the output is what plain decoding gives): ngram = prompt lookup, mtp = "
+        "the model's multi-token-prediction block, auto = mtp if the model has one else ngram, drafting fewer "
+        "tokens or none where drafts fail (default off)",
+    )
+    parser.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=4,
+        metavar="K",
+        help="tokens drafted and verified per step at most (default 4)",
+    )
+
+
+def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
+    try:
+        return SpeculativeConfig(args.speculative, args.num_speculative_tokens)
+    except ValueError as e:
+        raise UsageError(str(e).replace("num_speculative_tokens", "--num-speculative-tokens")) from None
 
 
 _SIZE_UNITS = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
@@ -183,6 +210,7 @@ def llm_from_args(args: argparse.Namespace) -> LLM:
     engine = EngineConfig(
         max_num_seqs=args.max_num_seqs,
         adapt_threads=args.threads is None,
+        speculative=speculative_config(args),
         **({"max_queue": args.max_queue} if "max_queue" in args else {}),
     )
     budget = parse_size(args.cache_memory) if args.cache_memory else None

@@ -179,7 +179,9 @@ def run(
     from hybridkv.bench.machine import Limits, WeightCounts  # noqa: F811 (TYPE_CHECKING import above)
     from hybridkv.bench.report import to_json
     from hybridkv.bench.scenarios import Bench
+    from hybridkv.bench.speculative import K as VERIFY_ROWS
     from hybridkv.bench.workload import DEFAULT_SHAPE, SHAPES, cached_checkpoint, load_peer, require_transformers
+    from hybridkv.cache.config import CacheConfig
     from hybridkv.cached_model import CachedModel
     from hybridkv.models import weights_nbytes
 
@@ -193,7 +195,7 @@ def run(
             model_dir = cached_checkpoint(shape, dtype, cache_dir or Path(tmp), log)
         _check_both_fit(weights_nbytes(model_dir, dtype), str(model_dir))
         log(f"loading {model_dir} in both engines ({str(dtype).removeprefix('torch.')})")
-        cm = CachedModel.load(model_dir, dtype=dtype, quantize=quantize)
+        cm = CachedModel.load(model_dir, dtype=dtype, cache=CacheConfig(verify_rows=VERIFY_ROWS), quantize=quantize)
         peer = load_peer(model_dir, dtype)
         if limits is None:
             log("measuring the machine's limits")
@@ -235,7 +237,7 @@ def _check_both_fit(weight_bytes: int, what: str) -> None:
 
 
 def _run_scenarios(b: Bench, targets: dict[str, float]) -> list[Result]:
-    from hybridkv.bench import scenarios
+    from hybridkv.bench import scenarios, speculative
 
     results = []
     for name, n in zip(("prefill_512", "prefill_2048"), b.plan.prefill_lens, strict=True):
@@ -251,4 +253,8 @@ def _run_scenarios(b: Bench, targets: dict[str, float]) -> list[Result]:
     results.append(scenarios.fork(b, "fork_n8"))
     b.log("json_schema_b1, json_schema_b8 (the default model, constrained against free)")
     results.extend(scenarios.structured(b, targets))
+    b.log("spec_code_edit_b1, spec_free_text_b1, spec_code_edit_b8 (the default model, speculating against plain)")
+    results.extend(speculative.speculative(b))
+    b.log("verify_w1..w5 (one verify forward of 1..5 tokens)")
+    results.extend(speculative.verify_cost(b))
     return results

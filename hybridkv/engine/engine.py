@@ -32,6 +32,7 @@ from hybridkv.engine.grammar import GrammarError, Grammars
 from hybridkv.engine.prefix_index import PrefixIndex
 from hybridkv.engine.request import Branch, Completion, FinishReason, Request, StreamEvent
 from hybridkv.engine.sampling import RequestSampler, SamplingParams, StopChecker, sample_batch, score_tokens
+from hybridkv.engine.speculative import AdaptiveDraft, BranchDrafts, NgramIndex, SpeculativeConfig
 from hybridkv.engine.threads import IdleCores
 from hybridkv.engine.tokenizer import IncrementalDecoder, Tokenizer
 from hybridkv.errors import CacheFull
@@ -50,7 +51,9 @@ class QueueFull(RuntimeError):
 class EngineConfig:
     """max_num_seqs: completions decoding at once. max_num_batched_tokens: tokens per forward.
     max_cached_sequences: finished sequences kept for reuse (None: whatever the cache's
-    `max_sequences` leaves beyond `max_num_seqs`). max_queue: waiting requests before refusing."""
+    `max_sequences` leaves beyond `max_num_seqs`). max_queue: waiting requests before refusing.
+    speculative: drafts verified per step (`engine.speculative`; the cache needs
+    `CacheConfig.verify_rows`)."""
 
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 1024
@@ -59,6 +62,7 @@ class EngineConfig:
     max_queue: int = 256
     min_shared_prefix: int = 32
     adapt_threads: bool = False
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_queue"):
@@ -91,6 +95,18 @@ class Engine:
             raise ValueError(
                 f"CacheConfig.max_sequences={cache.max_sequences} must exceed max_num_seqs={config.max_num_seqs}"
             )
+        spec = config.speculative
+        if spec.enabled and cache.verify_rows < spec.num_tokens and cm.spec_needs_rows:
+            raise ValueError(
+                f"speculative decoding needs CacheConfig.verify_rows >= num_speculative_tokens={spec.num_tokens} "
+                f"(num_speculative_tokens × max_num_seqs = {spec.num_tokens * config.max_num_seqs} lets every "
+                f"sequence speculate), got {cache.verify_rows}"
+            )
+        if spec.method == "mtp" and not cm.has_mtp:
+            raise ValueError(
+                "--speculative mtp needs a model with a multi-token-prediction block (mtp.* weights); "
+                "this one has none: use ngram or auto"
+            )
         cached = config.max_cached_sequences
         if cached is None:
             cached = cache.max_sequences - config.max_num_seqs
@@ -103,6 +119,7 @@ class Engine:
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._plain_step = False  # the last forward with drafts did not fit: decode without them once
 
     # -- thread-safe API ----------------------------------------------------------------------
 
@@ -206,22 +223,33 @@ class Engine:
             return
         if self.cores is not None:
             self.cores.update()
+        verify = [b.seq for _, b, *_ in plan if b.seq is not None and b.spec is not None and b.spec.verifying]
+        start = time.perf_counter()
         try:
             with torch.inference_mode():
-                logits = self.cm.feed(feeds, logits=modes, snapshot_at=snapshots)
+                logits = self.cm.feed(feeds, logits=modes, snapshot_at=snapshots, verify=verify)
         except CacheFull:
+            self._drop_drafts(plan)
+            if verify:  # drafts made it too big: the next step decodes plainly first
+                self._plain_step = True
+                return
             self._relieve_pressure()
             return
         except BaseException:  # interrupted or failed mid-forward: never reuse what it fed
+            self._drop_drafts(plan)
             for _, branch, *_ in plan:
                 branch.intact = False
             raise
+        self._plain_step = False
         self.counters["steps"] += 1
+        self.counters["forward_us"] += int(1e6 * (time.perf_counter() - start))
         sampling: list[tuple[Request, Branch, torch.Tensor]] = []
+        verifying: list[tuple[Request, Branch, torch.Tensor]] = []
         for request, branch, fed_backlog, fed_pending, sample in plan:
             assert branch.seq is not None
             rows = logits.get(branch.seq)
-            if modes[branch.seq] == "all":
+            verifies = branch.spec is not None and branch.spec.verifying
+            if modes[branch.seq] == "all" and not verifies:  # a scored prompt chunk
                 assert rows is not None
                 self._score_prompt(request, self.cm.length(branch.seq) - len(rows), rows)
             del branch.backlog[:fed_backlog]
@@ -229,11 +257,94 @@ class Engine:
             self.counters["prompt_tokens_computed"] += fed_backlog
             if fed_pending:
                 branch.pending = None
-            if sample:
+            if sample and verifies:
+                assert rows is not None
+                verifying.append((request, branch, rows))
+                sampling.append((request, branch, rows[0]))
+            elif sample:
                 assert rows is not None
                 sampling += self._sampling_rows(request, branch, rows[-1])
         if sampling:
             self._sample(sampling)
+        if verifying:
+            self._verify(verifying)
+
+    # -- speculative decoding -----------------------------------------------------------------
+
+    def _drafts(self, decoding: list[tuple[Request, Branch]], budget: int) -> dict[int, list[int]]:
+        """Drafts for the branches about to decode (sequence -> tokens after its pending one),
+        within the token budget, the free verify rows, the context and each request's max_tokens."""
+        rows = self.cm.cache.verify_rows.num_free if self.cm.spec_needs_rows else 1 << 30
+        budget -= len(decoding)  # every branch feeds its pending token anyway
+        wanted: dict[int, int] = {}
+        owner: dict[int, tuple[Request, Branch]] = {}
+        for request, branch in decoding:
+            spec = branch.spec
+            if spec is None or branch.seq is None:
+                continue
+            k = spec.adaptive.next_k() if spec.adaptive is not None else self.config.speculative.num_tokens
+            room = self.cm.cache.config.max_model_len - self.cm.length(branch.seq) - 1
+            if request.params.max_tokens is not None:
+                room = min(room, request.params.max_tokens - len(branch.completion.token_ids) - 1)
+            k = min(k, room, budget, rows)
+            if k > 0:
+                wanted[branch.seq], owner[branch.seq] = k, (request, branch)
+                budget -= k
+                rows -= k
+        drafts: dict[int, list[int]] = {}
+        mtp = {seq: k for seq, k in wanted.items() if _uses_mtp(owner[seq][1])}
+        if mtp:
+            pending = {seq: owner[seq][1].pending for seq in mtp}
+            proposed = self.cm.draft_mtp({s: t for s, t in pending.items() if t is not None}, max(mtp.values()))
+            drafts.update({seq: proposed[seq][:k] for seq, k in mtp.items()})
+        for seq, k in wanted.items():
+            request, branch = owner[seq]
+            spec = branch.spec
+            if spec is not None and spec.index is not None:
+                _index_tokens(spec, request.prompt_ids, branch.completion.token_ids)
+                drafts[seq] = spec.index.propose(k)
+        return {seq: d for seq, d in drafts.items() if d}
+
+    def _verify(self, verifying: list[tuple[Request, Branch, torch.Tensor]]) -> None:
+        """Row 0 of every verify was sampled with the step's other rows; now rows 1.. in order,
+        each while the tokens sampled before it were its drafts, then every verify is settled."""
+        for i in range(1, max(len(rows) for *_, rows in verifying)):
+            holding = [(r, b, rows[i]) for r, b, rows in verifying if _draft_holds(b, i)]
+            if not holding:
+                break
+            self._sample(holding)
+        for request, branch, _ in verifying:
+            if branch.spec is not None and branch.spec.verifying:
+                self._settle(request, branch)
+
+    def _settle(self, request: Request, branch: Branch) -> None:
+        """Keep the verified tokens of `branch`'s sequence (the pending token and the drafts that
+        were sampled again), count the acceptance, and end the verify."""
+        spec = branch.spec
+        assert spec is not None and spec.verifying and branch.seq is not None
+        out = branch.completion.token_ids
+        recorded = len(out) - spec.before
+        accepted = 0
+        while accepted < min(recorded, len(spec.drafts)) and out[spec.before + accepted] == spec.drafts[accepted]:
+            accepted += 1
+        self.cm.accept(branch.seq, spec.start + recorded)
+        self.counters["spec_draft_tokens"] += len(spec.drafts)
+        self.counters["spec_accepted_tokens"] += accepted
+        request.usage.draft_tokens += len(spec.drafts)
+        request.usage.accepted_tokens += accepted
+        for position in range(1, accepted + 1):
+            self.counters[f"spec_accepted_tokens_{position}"] += 1
+        for position in range(1, len(spec.drafts) + 1):
+            self.counters[f"spec_draft_tokens_{position}"] += 1
+        if spec.adaptive is not None:
+            spec.adaptive.update(len(spec.drafts), accepted)
+        spec.start, spec.drafts = -1, []
+
+    def _drop_drafts(self, plan: list[tuple[Request, Branch, int, bool, bool]]) -> None:
+        """The forward did not run (or failed): its verifies never happened."""
+        for _, branch, *_ in plan:
+            if branch.spec is not None:
+                branch.spec.start, branch.spec.drafts = -1, []
 
     def _drain_inbox(self) -> None:
         with self._lock:
@@ -260,17 +371,20 @@ class Engine:
 
     def _fits(self, request: Request) -> bool:
         """Admit only what the free KV blocks can take after the running requests' own remaining
-        prompts (evicting cached sequences to make room); an empty engine always admits."""
+        prompts and next verify (evicting cached sequences to make room); an empty engine always
+        admits."""
         bs = self.cm.cache.config.block_size
+        spec = self.config.speculative
+        ahead = 1 + (spec.num_tokens if spec.enabled else 0)  # tokens a step may feed past the backlog
         longest = len(request.prompt_ids) + max((len(b.completion.token_ids) for b in request.branches), default=0)
-        need = request.params.n * math.ceil((longest + 1) / bs)
+        need = request.params.n * math.ceil((longest + ahead) / bs)
         while self.running:
             reserved = 0
             for other in self.running:
                 for branch in other.branches:
                     if branch.seq is not None and not branch.finished:
                         now = self.cm.length(branch.seq)
-                        reserved += math.ceil((now + len(branch.backlog) + 1) / bs) - math.ceil(now / bs)
+                        reserved += math.ceil((now + len(branch.backlog) + ahead) / bs) - math.ceil(now / bs)
             if self.cm.cache.blocks.num_free - reserved >= need:
                 return True
             if not self.index.evict_one():
@@ -359,6 +473,17 @@ class Engine:
             RequestSampler(params, request.prompt_ids, branch=index, grammar=grammar),
             StopChecker.from_params(params, self.tokenizer.eos_token_ids),
             IncrementalDecoder(self.tokenizer, context=request.prompt_ids),
+            spec=self._branch_drafts(),
+        )
+
+    def _branch_drafts(self) -> BranchDrafts | None:
+        spec = self.config.speculative
+        if not spec.enabled:
+            return None
+        mtp = spec.method == "mtp" or (spec.method == "auto" and self.cm.has_mtp)
+        return BranchDrafts(
+            index=None if mtp else NgramIndex(spec.ngram_min, spec.ngram_max),
+            adaptive=AdaptiveDraft(spec.num_tokens) if spec.method == "auto" else None,
         )
 
     def _plan(
@@ -378,13 +503,22 @@ class Engine:
         modes: dict[int, LogitsMode] = {}
         budget = self.config.max_num_batched_tokens
         active = [(r, b) for r in self.running for b in r.branches if b.seq is not None and not b.finished]
-        for request, branch in active:  # decode tokens first: they are cheap and latency-bound
-            if not branch.backlog and branch.pending is not None:
-                assert branch.seq is not None
-                feeds[branch.seq] = [branch.pending]
-                plan.append((request, branch, 0, True, True))
-                modes[branch.seq] = "last"
-                budget -= 1
+        decoding = [(r, b) for r, b in active if not b.backlog and b.pending is not None]
+        drafts: dict[int, list[int]] = {}
+        if self.config.speculative.enabled and not self._plain_step:
+            start = time.perf_counter()
+            drafts = self._drafts(decoding, budget)
+            self.counters["spec_draft_us"] += int(1e6 * (time.perf_counter() - start))
+        for request, branch in decoding:  # decode tokens first: they are cheap and latency-bound
+            assert branch.seq is not None and branch.pending is not None
+            draft = drafts.get(branch.seq, [])
+            feeds[branch.seq] = [branch.pending, *draft]
+            plan.append((request, branch, 0, True, True))
+            modes[branch.seq] = "all" if draft else "last"
+            budget -= len(feeds[branch.seq])
+            if draft and branch.spec is not None:  # a verify: [pending, drafts] kept up to `accept`
+                branch.spec.start, branch.spec.drafts = self.cm.length(branch.seq), draft
+                branch.spec.before = len(branch.completion.token_ids)
         for request, branch in active:  # then prompt chunks, oldest request first
             if branch.backlog and budget > 0:
                 assert branch.seq is not None
@@ -494,6 +628,8 @@ class Engine:
 
     def _retire(self, request: Request, branch: Branch, keep: bool) -> None:
         """A branch ended: its sequence (prompt + output fed so far) goes into the prefix index."""
+        if branch.seq is not None and branch.spec is not None and branch.spec.verifying:
+            self._settle(request, branch)  # only verified tokens stay in the sequence
         if branch.seq is not None:
             if keep and self.config.prefix_caching:
                 self.index.insert(branch.seq)
@@ -569,6 +705,30 @@ class Engine:
         self.counters["preemptions"] += 1
         victim.queued = True
         self.waiting.appendleft(victim)
+
+
+def _uses_mtp(branch: Branch) -> bool:
+    return branch.spec is not None and branch.spec.index is None
+
+
+def _draft_holds(branch: Branch, i: int) -> bool:
+    """Is verify row i of `branch` still to be sampled: the i tokens sampled before it were all
+    its drafts (the first being the pending token's row) and the branch goes on?"""
+    spec = branch.spec
+    if spec is None or not spec.verifying or branch.finished or i > len(spec.drafts):
+        return False
+    out = branch.completion.token_ids
+    return len(out) - spec.before == i and out[-1] == spec.drafts[i - 1]
+
+
+def _index_tokens(spec: BranchDrafts, prompt: list[int], output: list[int]) -> None:
+    """Bring the branch's lookup index up to prompt + output."""
+    assert spec.index is not None
+    if spec.seen < len(prompt):
+        spec.index.extend(prompt[spec.seen :])
+        spec.seen = len(prompt)
+    spec.index.extend(output[spec.seen - len(prompt) :])
+    spec.seen = len(prompt) + len(output)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

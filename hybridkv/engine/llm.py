@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections import OrderedDict
@@ -37,10 +38,30 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def default_cache_config(engine: EngineConfig, **settings: Any) -> CacheConfig:
-    """Room for the running sequences plus as many again kept for prefix reuse; `settings`
-    override any field."""
-    defaults: dict[str, Any] = {"max_sequences": 2 * engine.max_num_seqs + 1, "snapshots_per_sequence": 16}
+    """Room for the running sequences plus as many again kept for prefix reuse, and verify rows
+    for every running sequence to speculate; `settings` override any field."""
+    spec = engine.speculative
+    defaults: dict[str, Any] = {
+        "max_sequences": 2 * engine.max_num_seqs + 1,
+        "snapshots_per_sequence": 16,
+        "verify_rows": spec.num_tokens * engine.max_num_seqs if spec.enabled else 0,
+    }
     return CacheConfig(**{**defaults, **settings})
+
+
+def with_speculation(engine: EngineConfig, method: str | None, num_tokens: int | None) -> EngineConfig:
+    """`engine` with `--speculative METHOD` / `--num-speculative-tokens K` applied (None: as it is)."""
+    if method is None and num_tokens is None:
+        return engine
+    spec = engine.speculative
+    return dataclasses.replace(
+        engine,
+        speculative=dataclasses.replace(
+            spec,
+            method=method if method is not None else spec.method,  # type: ignore[arg-type]  # validated by the config
+            num_tokens=num_tokens if num_tokens is not None else spec.num_tokens,
+        ),
+    )
 
 
 class LLM:
@@ -49,7 +70,8 @@ class LLM:
     `model`: a checkpoint directory, a .gguf file, an ollama name or a Hugging Face repo id, found
     on this machine (`resolve_model`); with none, the default model. Requests run through the
     continuous-batching engine; a chat whose next turn extends the last one re-processes only the
-    new tokens.
+    new tokens. `speculative` ("off", "ngram", "mtp", "auto") and `num_speculative_tokens` set
+    speculative decoding (`engine.speculative`), overriding `engine.speculative`.
     """
 
     def __init__(
@@ -60,6 +82,8 @@ class LLM:
         cache: CacheConfig | None = None,
         engine: EngineConfig | None = None,
         quantize: str | None = None,
+        speculative: str | None = None,
+        num_speculative_tokens: int | None = None,
     ) -> None:
         if model is None:
             from hybridkv.default_model import default_model_dir
@@ -69,7 +93,7 @@ class LLM:
         for note in self.source.notes:
             log.warning("%s: %s", self.source.served_name, note)
         self.model_dir = self.source.path  # the checkpoint directory, or the (first) GGUF file
-        engine = engine or EngineConfig()
+        engine = with_speculation(engine or EngineConfig(), speculative, num_speculative_tokens)
         cores = IdleCores() if engine.adapt_threads else None  # before the load: its first look covers it
         self.cm = CachedModel.load(
             self.source, parse_dtype(dtype), cache or default_cache_config(engine), quantize=quantize

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from hybridkv.engine.sampling import RequestSampler, SamplingParams, StopChecker, TokenLogprob
+from hybridkv.engine.speculative import BranchDrafts
 from hybridkv.engine.tokenizer import IncrementalDecoder
 
 FinishReason = Literal["stop", "length", "cancelled"]
@@ -50,6 +51,8 @@ class Usage:
     computed_tokens: int = 0
     completion_tokens: int = 0
     preemptions: int = 0
+    draft_tokens: int = 0  # speculative drafts verified
+    accepted_tokens: int = 0  # of those, accepted
 
 
 @dataclass(eq=False, slots=True)
@@ -72,6 +75,7 @@ class Branch:
     pending: int | None = None
     placed: int = 0
     intact: bool = True
+    spec: BranchDrafts | None = None  # speculative decoding state (None: this branch does not speculate)
 
     @property
     def finished(self) -> bool:

@@ -56,6 +56,7 @@ def render(engine: Mapping[str, int], responses: Mapping[tuple[str, int], int], 
             seen.add(name)
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter"]
         lines.append(f"{name}{{{labels}}} {engine.get(key, 0)}" if labels else f"{name} {engine.get(key, 0)}")
+    lines += _speculation(engine)
     for key, name, help_text in _GAUGES:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {engine.get(key, 0)}"]
     for kind in ("used", "total"):
@@ -90,6 +91,20 @@ class CountResponses:
             await send(message)
 
         await self.app(scope, receive, counting_send)
+
+
+def _speculation(engine: Mapping[str, int]) -> list[str]:
+    """Drafts verified, and drafts accepted by their position in the draft (1 = the first guess)."""
+    positions = sorted(int(key.rsplit("_", 1)[1]) for key in engine if key.startswith("spec_draft_tokens_"))
+    name = "hybridkv_spec_accepted_tokens_total"
+    return [
+        "# HELP hybridkv_spec_draft_tokens_total Speculative draft tokens verified.",
+        "# TYPE hybridkv_spec_draft_tokens_total counter",
+        f"hybridkv_spec_draft_tokens_total {engine.get('spec_draft_tokens', 0)}",
+        f"# HELP {name} Speculative draft tokens accepted, by position in the draft.",
+        f"# TYPE {name} counter",
+        *(f'{name}{{position="{p}"}} {engine.get(f"spec_accepted_tokens_{p}", 0)}' for p in positions),
+    ]
 
 
 def _escape(value: str) -> str:

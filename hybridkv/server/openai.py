@@ -179,11 +179,18 @@ def _int_list(body: Fields, key: str) -> list[int]:
 def _usage(usages: Sequence[Usage]) -> dict[str, Any]:
     prompt = sum(u.prompt_tokens for u in usages)
     completion = sum(u.completion_tokens for u in usages)
+    accepted = sum(u.accepted_tokens for u in usages)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": sum(u.cached_tokens for u in usages)},
+        # Speculative decoding, in OpenAI's predicted-output fields: drafts verified and kept, and
+        # drafts verified and rejected (their sum is every draft; none without --speculative).
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": sum(u.draft_tokens for u in usages) - accepted,
+        },
     }
 
 
