@@ -2,7 +2,7 @@
 
 Q8_0 (`quantize_row_q8_0_ref` in ggml-quants.c): per block of 32, d = max|x| / 127 in float32,
 q = roundf(x · (1/d)) (halves away from zero; 0 where d = 0), d stored as float16. Bit-identical
-to llama.cpp's and gguf-py's (`gguf.quants.quantize`) blocks.
+to llama.cpp's and gguf-py's (`gguf.quants.quantize`) blocks; so is Q5_0 (`quantize_q5_0`).
 
 Q4_K and Q6_K follow `quantize_row_q4_K_ref` / `quantize_row_q6_K_ref` (what `llama-quantize`
 runs without an importance matrix), vectorized over sub-blocks: Q6_K picks each 16-weight
@@ -27,7 +27,7 @@ from hybridkv.ops.quant.traits import GGMLType
 QUANTIZE_TYPES = {"q8_0": GGMLType.Q8_0, "q4_k": GGMLType.Q4_K, "q6_k": GGMLType.Q6_K}
 _ROWS_AT_ONCE = 4096  # rows quantized at once: bounds the temporaries
 _WEIGHTS_AT_ONCE = 1 << 18  # K-quants: weights quantized at once (their trial loops keep a few copies)
-_BLOCK_ELEMS = {GGMLType.Q8_0: 32, GGMLType.Q4_K: 256, GGMLType.Q6_K: 256}
+_BLOCK_ELEMS = {GGMLType.Q8_0: 32, GGMLType.Q5_0: 32, GGMLType.Q4_K: 256, GGMLType.Q6_K: 256}
 GROUP_MAX_EPS = 1e-15
 
 
@@ -47,6 +47,30 @@ def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:
         out[r : r + _ROWS_AT_ONCE, :, :2] = d.half().view(torch.uint8).reshape(-1, K // 32, 2)
         out[r : r + _ROWS_AT_ONCE, :, 2:] = q.to(torch.int8).view(torch.uint8)
     return out.reshape(*w.shape[:-1], K // 32 * 34)
+
+
+def quantize_q5_0(w: torch.Tensor) -> torch.Tensor:
+    """w [..., K] (K a multiple of 32) → Q5_0 rows uint8 [..., K/32·22], as `quantize_row_q5_0_ref`:
+    d = (the first element of largest |x|) / −16, q = min(31, trunc(x/d + 16.5)), split into low
+    nibbles (qs) and fifth bits (qh). llama.cpp's fallback for Q4_K rows that are not 256-wide."""
+    K = w.shape[-1]
+    if K % 32:
+        raise ValueError(f"Q5_0 needs rows of a multiple of 32 weights, got {K}")
+    flat = w.reshape(-1, K)
+    out = torch.empty(flat.shape[0], K // 32, 22, dtype=torch.uint8)
+    bit = torch.arange(32, dtype=torch.int64)
+    for r in range(0, flat.shape[0], _ROWS_AT_ONCE):
+        x = flat[r : r + _ROWS_AT_ONCE].float().reshape(-1, K // 32, 32)
+        peak = x.gather(-1, x.abs().argmax(-1, keepdim=True))
+        d = peak / -16
+        inv = torch.where(d == 0, 0.0, torch.ones_like(d) / d)
+        q = (x * inv + 16.5).to(torch.int8).clamp(max=31).to(torch.int64)  # the C cast truncates
+        qh = (((q >> 4) & 1) << bit).sum(-1)  # bit j: element j's fifth bit (j < 16 low, then high)
+        n = x.shape[0]
+        out[r : r + n, :, :2] = d.half().view(torch.uint8).reshape(n, K // 32, 2)
+        out[r : r + n, :, 2:6] = torch.stack([(qh >> (8 * i)) & 0xFF for i in range(4)], -1).to(torch.uint8)
+        out[r : r + n, :, 6:] = ((q[..., :16] & 0xF) | ((q[..., 16:] & 0xF) << 4)).to(torch.uint8)
+    return out.reshape(*w.shape[:-1], K // 32 * 22)
 
 
 def _nearest(x: torch.Tensor) -> torch.Tensor:
@@ -215,8 +239,10 @@ def quantize(w: torch.Tensor, type_id: GGMLType) -> torch.Tensor:
     """w [..., K] → rows of blocks of `type_id` (one of QUANTIZE_TYPES)."""
     if type_id == GGMLType.Q8_0:
         return quantize_q8_0(w)
+    if type_id == GGMLType.Q5_0:
+        return quantize_q5_0(w)
     if type_id == GGMLType.Q4_K:
         return quantize_q4_k(w)
     if type_id == GGMLType.Q6_K:
         return quantize_q6_k(w)
-    raise ValueError(f"cannot quantize to {type_id.name}; hybridkv quantizes to {', '.join(QUANTIZE_TYPES)}")
+    raise ValueError(f"cannot quantize to {type_id.name}; hybridkv quantizes to {', '.join(QUANTIZE_TYPES)}, q5_0")
