@@ -96,6 +96,22 @@ def _special_ids(
     return ids
 
 
+def _template_ends(single: list[dict[str, Any]], tokenizer_config: dict[str, Any], add: dict[str, bool]) -> None:
+    """The converter's reading of a TemplateProcessing: a special token first adds bos, one last
+    adds eos (the cases where they are not the tokenizer's bos/eos are refused)."""
+    if len(single) < 2:
+        return
+    for kind, item in (("bos", single[0]), ("eos", single[-1])):
+        special = item.get("SpecialToken", {}).get("id")
+        if special is None:
+            continue
+        named = tokenizer_config.get(f"{kind}_token")
+        named = named.get("content") if isinstance(named, dict) else named
+        if special != named:
+            raise NotSupported(f"the tokenizer adds {special!r} around text, not its {kind}_token {named!r}")
+        add[kind] = True
+
+
 def _add_special(tokenizer: dict[str, Any], tokenizer_config: dict[str, Any]) -> dict[str, bool]:
     add: dict[str, bool] = {}
     post = tokenizer.get("post_processor") or {}
@@ -103,7 +119,9 @@ def _add_special(tokenizer: dict[str, Any], tokenizer_config: dict[str, Any]) ->
         if processor.get("type") == "ByteLevel":
             add.setdefault("bos", False)
             add.setdefault("eos", False)
-        elif processor.get("type") in ("TemplateProcessing", "RobertaProcessing", "BertProcessing"):
+        elif processor.get("type") == "TemplateProcessing":
+            _template_ends(processor.get("single") or [], tokenizer_config, add)
+        elif processor.get("type") in ("RobertaProcessing", "BertProcessing"):
             raise NotSupported(f"a tokenizer post-processor {processor['type']!r} is not written to GGUF here")
     for kind in _SPECIAL_KINDS:
         if isinstance(flag := tokenizer_config.get(f"add_{kind}_token"), bool):

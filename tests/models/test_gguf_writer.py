@@ -1,0 +1,182 @@
+"""`hybridkv quantize` writes what llama.cpp writes: the same checkpoints as the checked-in files of
+llama.cpp's converter and quantizer (tests/data/gguf, scripts/make_gguf_fixtures.py) give the same
+tensors, types and metadata; gguf-py reads our files back; and our loader computes on a written
+file exactly what `--quantize` computes at load."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf.quants import dequantize as gguf_dequantize
+from hf_reference import max_rel_err
+
+from hybridkv.models import load_model
+from hybridkv.models.gguf_checkpoint import GGUFTensors
+from hybridkv.models.gguf_writer import plan, write_quantized
+
+REPO = Path(__file__).parents[2]
+DATA = REPO / "tests" / "data" / "gguf"
+
+
+@cache
+def fixtures_script():  # scripts/make_gguf_fixtures.py: how the checked-in files' checkpoints were built
+    spec = importlib.util.spec_from_file_location("make_gguf_fixtures", REPO / "scripts" / "make_gguf_fixtures.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+BUILDERS: dict[str, Callable[[Path], object]] = {
+    "qwen3next-tiny": lambda p: fixtures_script().qwen3next_checkpoint(p),
+    "qwen35-tiny": lambda p: fixtures_script().qwen35_checkpoint(p, moe=False),
+    "qwen35moe-tiny": lambda p: fixtures_script().qwen35_checkpoint(p, moe=True),
+    "qwen35moe-k": lambda p: fixtures_script().qwen35_k_checkpoint(p),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """The checkpoint directory the fixture `name` was converted from, rebuilt (seeded) once."""
+    root = tmp_path_factory.mktemp("checkpoints")
+
+    @cache
+    def build(name: str) -> Path:
+        BUILDERS[name](root / name)
+        return root / name
+
+    return build
+
+
+def fields(reader: GGUFReader) -> dict[str, tuple[list[GGUFValueType], object]]:
+    return {k: (f.types, f.contents()) for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+
+
+# Keys that name the source directory or count the MTP block the converter kept (we never write it).
+UNCOMPARED = ("general.name", "general.size_label", ".block_count", ".nextn_predict_layers", ".recurrent_layers")
+
+
+@pytest.mark.parametrize("file_type", ["f32", "q8_0"])
+@pytest.mark.parametrize("name", ["qwen3next-tiny", "qwen35-tiny", "qwen35moe-tiny"])
+def test_the_converters_files_and_ours_hold_the_same_bytes(name, file_type, checkpoint, tmp_path):
+    ours_path = tmp_path / "ours.gguf"
+    write_quantized(checkpoint(name), ours_path, file_type)
+    ours, theirs = GGUFReader(ours_path), GGUFReader(DATA / f"{name}-{file_type}.gguf")
+    mine, converted = {t.name: t for t in ours.tensors}, {t.name: t for t in theirs.tensors}
+    layers = int(fields(ours)[f"{fields(ours)['general.architecture'][1]}.block_count"][1])
+    assert set(converted) - set(mine) == {n for n in converted if n.startswith(f"blk.{layers}.")}  # the MTP block
+    for tensor_name, t in mine.items():
+        u = converted[tensor_name]
+        assert (t.tensor_type.name, list(t.shape)) == (u.tensor_type.name, list(u.shape)), tensor_name
+        assert t.data.tobytes() == u.data.tobytes(), f"{tensor_name} ({t.tensor_type.name}) differs"
+    a, b = fields(ours), fields(theirs)
+    assert {k for k in b if not k.endswith(UNCOMPARED)} == {k for k in a if not k.endswith(UNCOMPARED)}
+    for key, (types, value) in b.items():
+        if not key.endswith(UNCOMPARED):
+            assert a[key] == (types, value), key
+    recurrent = next(k for k in a if k.endswith(".recurrent_layers"))
+    assert a[recurrent][1] == b[recurrent][1][:layers]
+
+
+def test_q4_k_m_gives_each_tensor_the_type_llama_quantize_gives_it(checkpoint):
+    """The checked-in file is llama.cpp's own Q4_K_M (`llama_model_quantize`) of this checkpoint:
+    attn_qkv, attn_v and ffn_down in Q6_K in the layers `use_more_bits` picks, the head Q6_K."""
+    _, entries = plan(checkpoint("qwen35moe-k"), "q4_k_m")
+    theirs = {t.name: t for t in GGUFReader(DATA / "qwen35moe-k-q4_k_m.gguf").tensors}
+    assert {e.name: GGMLQuantizationType(e.type_id).name for e in entries} == {
+        n: t.tensor_type.name for n, t in theirs.items()
+    }
+
+
+def rms(x: np.ndarray) -> float:
+    return float(np.sqrt(np.mean(x.astype(np.float64) ** 2)))
+
+
+@pytest.mark.slow
+def test_q4_k_m_blocks_are_llama_quantizes_or_as_close_to_the_weights(checkpoint, tmp_path):
+    """Same reference algorithms as llama.cpp's: most rows byte for byte, and every tensor as
+    close to the float weights (our sums run in another order, so near-ties can go the other way)."""
+    write_quantized(checkpoint("qwen35moe-k"), tmp_path / "ours.gguf", "q4_k_m")
+    write_quantized(checkpoint("qwen35moe-k"), tmp_path / "f32.gguf", "f32")
+    ours = {t.name: t for t in GGUFReader(tmp_path / "ours.gguf").tensors}
+    theirs = {t.name: t for t in GGUFReader(DATA / "qwen35moe-k-q4_k_m.gguf").tensors}
+    exact = {t.name: t for t in GGUFReader(tmp_path / "f32.gguf").tensors}
+    same = total = 0
+    for name, t in ours.items():
+        if t.tensor_type.name == "F32":
+            continue
+        u, x = theirs[name], exact[name].data.reshape(-1)
+        rows, their_rows = t.data.reshape(-1, t.data.shape[-1]), u.data.reshape(-1, u.data.shape[-1])
+        same += int((rows == their_rows).all(-1).sum())
+        total += rows.shape[0]
+        err, their_err = (rms(gguf_dequantize(q.data, q.tensor_type).reshape(-1) - x) for q in (t, u))
+        assert err <= 1.02 * their_err, f"{name}: rms error {err:.3g}, llama.cpp's {their_err:.3g}"
+    assert same >= 0.9 * total, f"{same} of {total} quantized rows byte-identical"
+
+
+WIDE = dict(  # a tiny Qwen3-Next whose every row is 256 wide, so no K-quant falls back
+    num_hidden_layers=2,
+    layer_types=["linear_attention", "full_attention"],
+    num_experts=2,
+    num_experts_per_tok=1,
+    hidden_size=256,
+    head_dim=64,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    moe_intermediate_size=256,
+    shared_expert_intermediate_size=256,
+)
+
+
+@pytest.fixture(scope="module")
+def wide_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from hf_reference import make_hf_model, save_checkpoint
+    from qwen35_tokenizer import COMPACT_VOCAB, write_qwen35_tokenizer
+
+    path = tmp_path_factory.mktemp("wide")
+    save_checkpoint(make_hf_model(seed=3, vocab_size=COMPACT_VOCAB, **WIDE), path)
+    write_qwen35_tokenizer(path, compact=True)
+    return path
+
+
+@pytest.mark.parametrize("file_type", ["q8_0", pytest.param("q6_k", marks=pytest.mark.slow), "q4_k"])
+def test_a_written_file_computes_what_quantizing_at_load_computes(wide_checkpoint, file_type, tmp_path):
+    from test_gguf_loading import run
+
+    path = tmp_path / "model.gguf"
+    write_quantized(wide_checkpoint, path, file_type)
+    tokens = [5, 17, 250, 3, 99, 42, 7, 300, 11, 64]
+    from_file = run(load_model(path), tokens)
+    at_load = run(load_model(wide_checkpoint, quantize=file_type), tokens)
+    assert max_rel_err(from_file, at_load) < 1e-5  # the same blocks; the norms went through 1 + w and back
+
+
+@pytest.mark.parametrize("file_type", ["f16", "bf16", "q8_0", "q6_k", "q4_k_m"])
+def test_gguf_py_reads_a_written_file_as_our_reader_does(checkpoint, file_type, tmp_path):
+    """gguf-py, the independent reader, finds every tensor where ours does and dequantizes it to
+    the same values, within each type's rounding of the float weights."""
+    path = tmp_path / "model.gguf"
+    written = {t.name: t for t in write_quantized(checkpoint("qwen3next-tiny"), path, file_type)}
+    exact = {t.name: t.data.reshape(-1) for t in GGUFReader(DATA / "qwen3next-tiny-f32.gguf").tensors}
+    ours = GGUFTensors(path)
+    reader = GGUFReader(path)
+    assert [t.name for t in reader.tensors] == list(written)
+    for t in reader.tensors:
+        want = written[t.name]
+        assert (t.tensor_type.name, tuple(reversed(t.shape.tolist()))) == (want.type_name, want.shape)
+        values = gguf_dequantize(t.data, t.tensor_type).reshape(-1)
+        assert np.array_equal(values, ours.read_float(t.name).reshape(-1).numpy()), t.name
+        x = exact[t.name]
+        assert np.abs(values - x).max() <= ROUNDING[t.tensor_type.name] * np.abs(x).max(), t.name
+
+
+# Largest |error| of a type's rounding, as a share of the tensor's largest |weight|.
+ROUNDING = {"F32": 0.0, "F16": 1e-3, "BF16": 4e-3, "Q8_0": 8e-3, "Q5_0": 0.07, "Q6_K": 0.04, "Q4_K": 0.15}
