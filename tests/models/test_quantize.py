@@ -15,7 +15,7 @@ from hybridkv.default_model import default_model_dir
 from hybridkv.models import load_model
 from hybridkv.ops.quant import QuantizedWeight, dequantize
 from hybridkv.ops.quant.linear import QuantExperts, QuantLinear, float_activations
-from hybridkv.ops.quant.quantize import quantize_q4_k, quantize_q6_k, quantize_q8_0
+from hybridkv.ops.quant.quantize import quantize_q4_k, quantize_q5_0, quantize_q6_k, quantize_q8_0
 
 gguf = pytest.importorskip("gguf")
 
@@ -34,6 +34,20 @@ def test_q8_0_blocks_are_llama_cpps_bit_for_bit():
     assert torch.equal(quantize_q8_0(experts).reshape(36, -1), quantize_q8_0(torch.from_numpy(w[:36])))
     with pytest.raises(ValueError, match="multiple of 32"):
         quantize_q8_0(torch.zeros(2, 48))
+
+
+def test_q5_0_blocks_are_llama_cpps_bit_for_bit():
+    """Q5_0 is what llama.cpp writes for Q4_K rows that are not 256 wide (`hybridkv quantize`)."""
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((37, 96)).astype(np.float32) * rng.uniform(1e-3, 10, (37, 1)).astype(np.float32)
+    w[0, :32] = 0  # d = 0
+    w[1, 32:64] = -np.abs(w[1, 32:64])
+    w[1, 40] = w[1, 41] = -100.0  # the first of two equal peaks sets d
+    want = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q5_0)
+    got = quantize_q5_0(torch.from_numpy(w)).numpy()
+    assert got.shape == want.shape and np.array_equal(got, want)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_q5_0(torch.zeros(2, 48))
 
 
 @pytest.mark.parametrize(("quantize", "type_id", "bound"), [(quantize_q4_k, 12, 0.08), (quantize_q6_k, 14, 0.02)])
