@@ -13,9 +13,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize as gguf_dequantize
 from hf_reference import max_rel_err
+from safetensors.torch import load_file
+from test_gguf_loading import run
 
 from hybridkv.models import load_model
 from hybridkv.models.gguf_checkpoint import GGUFTensors
@@ -40,6 +43,7 @@ BUILDERS: dict[str, Callable[[Path], object]] = {
     "qwen35-tiny": lambda p: fixtures_script().qwen35_checkpoint(p, moe=False),
     "qwen35moe-tiny": lambda p: fixtures_script().qwen35_checkpoint(p, moe=True),
     "qwen35moe-k": lambda p: fixtures_script().qwen35_k_checkpoint(p),
+    "qwen3next-wide": lambda p: fixtures_script().qwen3next_wide_checkpoint(p),
 }
 
 
@@ -122,35 +126,13 @@ def test_q4_k_m_blocks_are_llama_quantizes_or_as_close_to_the_weights(checkpoint
     assert same >= 0.9 * total, f"{same} of {total} quantized rows byte-identical"
 
 
-WIDE = dict(  # a tiny Qwen3-Next whose every row is 256 wide, so no K-quant falls back
-    num_hidden_layers=2,
-    layer_types=["linear_attention", "full_attention"],
-    num_experts=2,
-    num_experts_per_tok=1,
-    hidden_size=256,
-    head_dim=64,
-    linear_key_head_dim=64,
-    linear_value_head_dim=64,
-    moe_intermediate_size=256,
-    shared_expert_intermediate_size=256,
-)
-
-
 @pytest.fixture(scope="module")
-def wide_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from hf_reference import make_hf_model, save_checkpoint
-    from qwen35_tokenizer import COMPACT_VOCAB, write_qwen35_tokenizer
-
-    path = tmp_path_factory.mktemp("wide")
-    save_checkpoint(make_hf_model(seed=3, vocab_size=COMPACT_VOCAB, **WIDE), path)
-    write_qwen35_tokenizer(path, compact=True)
-    return path
+def wide_checkpoint(checkpoint: Callable[[str], Path]) -> Path:
+    return checkpoint("qwen3next-wide")
 
 
 @pytest.mark.parametrize("file_type", ["q8_0", pytest.param("q6_k", marks=pytest.mark.slow), "q4_k"])
 def test_a_written_file_computes_what_quantizing_at_load_computes(wide_checkpoint, file_type, tmp_path):
-    from test_gguf_loading import run
-
     path = tmp_path / "model.gguf"
     write_quantized(wide_checkpoint, path, file_type)
     tokens = [5, 17, 250, 3, 99, 42, 7, 300, 11, 64]
@@ -180,3 +162,17 @@ def test_gguf_py_reads_a_written_file_as_our_reader_does(checkpoint, file_type, 
 
 # Largest |error| of a type's rounding, as a share of the tensor's largest |weight|.
 ROUNDING = {"F32": 0.0, "F16": 1e-3, "BF16": 4e-3, "Q8_0": 8e-3, "Q5_0": 0.07, "Q6_K": 0.04, "Q4_K": 0.15}
+
+
+def test_llama_cpp_computes_on_a_written_file_what_we_compute(wide_checkpoint, tmp_path):
+    """The checked-in file is our writer's Q4_K_M of this checkpoint (scripts/gguf_vs_llama_cpp.py
+    --fixture), with llama.cpp's own logits on it: ours agree on every next token, within the
+    difference of the two engines' 8-bit activation rounding."""
+    fixture = DATA / "qwen3next-wide-q4_k_m.gguf"
+    write_quantized(wide_checkpoint, tmp_path / "again.gguf", "q4_k_m")
+    assert (tmp_path / "again.gguf").read_bytes() == fixture.read_bytes()
+    golden = load_file(DATA / "qwen3next-wide-q4_k_m.llama_cpp_logits.safetensors")
+    ours = run(load_model(fixture), golden["tokens"].tolist())
+    theirs = golden["logits"]
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+    assert max_rel_err(ours, theirs) < 0.02
