@@ -138,13 +138,13 @@ def report(work: Path, threads: int) -> None:
             quantized = work / f"default-{name}-llama-quantize.gguf"
             llama_quantize(work / "default-f32.gguf", quantized, LLAMA_FTYPES[name])
             print(f"  llama-quantize's own file: {file_types(quantized)}")
-            own = f"{perplexity([llama_logits(llama(quantized, threads), w.tolist()) for w in windows], windows):.2f}"
+            own = f"{perplexity([llama_logits(llama(quantized, threads), w.tolist()) for w in windows], windows):.3f}"
         rows.append((name, path.stat().st_size / 1e6, perplexity(ours, windows), perplexity(theirs, windows), own))
         print(f"  perplexity: hybridkv {rows[-1][2]:.3f}, llama.cpp {rows[-1][3]:.3f}, llama-quantize's file {own}")
     print("\n| file (`hybridkv quantize --type`) | size | hybridkv | llama.cpp | llama.cpp on llama-quantize's file |")
     print("|---|---|---|---|---|")
     for name, size, ours_ppl, theirs_ppl, own in rows:
-        print(f"| {name} | {size:.1f} MB | {ours_ppl:.2f} | {theirs_ppl:.2f} | {own} |")
+        print(f"| {name} | {size:.1f} MB | {ours_ppl:.3f} | {theirs_ppl:.3f} | {own} |")
 
 
 def fixture(threads: int) -> None:

@@ -166,8 +166,8 @@ ROUNDING = {"F32": 0.0, "F16": 1e-3, "BF16": 4e-3, "Q8_0": 8e-3, "Q5_0": 0.07, "
 
 def test_llama_cpp_computes_on_a_written_file_what_we_compute(wide_checkpoint, tmp_path):
     """The checked-in file is our writer's Q4_K_M of this checkpoint (scripts/gguf_vs_llama_cpp.py
-    --fixture), with llama.cpp's own logits on it: ours agree on every next token, within the
-    difference of the two engines' 8-bit activation rounding."""
+    --fixture), with llama.cpp's own logits on it: both engines round activations to the same
+    Q8_K blocks for K-quant weights, so the logits agree to float summation order (4.5e-7 here)."""
     fixture = DATA / "qwen3next-wide-q4_k_m.gguf"
     write_quantized(wide_checkpoint, tmp_path / "again.gguf", "q4_k_m")
     assert (tmp_path / "again.gguf").read_bytes() == fixture.read_bytes()
@@ -175,4 +175,4 @@ def test_llama_cpp_computes_on_a_written_file_what_we_compute(wide_checkpoint, t
     ours = run(load_model(fixture), golden["tokens"].tolist())
     theirs = golden["logits"]
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
-    assert max_rel_err(ours, theirs) < 0.02
+    assert max_rel_err(ours, theirs) < 1e-4
