@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from test_gguf_loading import run
 
 from hybridkv.models import load_model
+from hybridkv.models.gguf import GGUFFile, file_type_name
 from hybridkv.models.gguf_checkpoint import GGUFTensors
 from hybridkv.models.gguf_writer import plan, write_quantized
 
@@ -176,3 +177,23 @@ def test_llama_cpp_computes_on_a_written_file_what_we_compute(wide_checkpoint, t
     theirs = golden["logits"]
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
     assert max_rel_err(ours, theirs) < 1e-4
+
+
+def test_the_quantize_command_writes_a_file_and_refuses_bad_input_in_one_line(checkpoint, tmp_path, capsys):
+    from hybridkv import cli
+
+    out = tmp_path / "tiny-q4_k_m.gguf"
+    assert cli.main(["quantize", str(checkpoint("qwen3next-tiny")), str(out), "--type", "Q4_K_M"]) == 0
+    err = capsys.readouterr().err
+    assert f"wrote {out}" in err and "Q5_0" in err  # 64-wide rows: Q4_K falls back
+    with GGUFFile(out) as f:
+        assert file_type_name(f.metadata) == "Q4_K_M"
+    for args, message in [
+        ([str(out), str(tmp_path / "again.gguf")], "already a GGUF file"),
+        ([str(checkpoint("qwen3next-tiny")), str(tmp_path / "x.bin")], "must be a .gguf file"),
+        ([str(tmp_path / "missing"), str(tmp_path / "y.gguf")], "not found"),
+    ]:
+        assert cli.main(["quantize", *args]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]  # nothing else written
