@@ -43,7 +43,7 @@ from hybridkv.models.gguf_vocab import tokenizer_metadata
 from hybridkv.models.gguf_write import BOOL, INT32, TensorEntry, Value, array, f32, string, u32, write_gguf
 from hybridkv.models.qwen3_5 import TEXT_PREFIX, VLM_PREFIX
 from hybridkv.models.registry import FAMILIES
-from hybridkv.models.weights import Checkpoint
+from hybridkv.models.weights import Checkpoint, WeightsError
 from hybridkv.ops.quant.quantize import quantize
 from hybridkv.ops.quant.traits import GGMLType
 
@@ -80,18 +80,21 @@ def hf_tensors(config: ModelConfig, checkpoint: Checkpoint) -> dict[str, tuple[t
     prefix = VLM_PREFIX if VLM_PREFIX + "embed_tokens.weight" in names else TEXT_PREFIX
     out: dict[str, tuple[tuple[int, ...], Read]] = {}
 
-    def read(name: str) -> Read:
+    def read(name: str) -> Read:  # checked now, read when written
+        if name not in names:
+            raise WeightsError(f"{checkpoint.description}: tensor {name!r} is missing")
         return lambda: checkpoint.read(name).float()
 
     def put(gguf: str, shape: tuple[int, ...], fn: Read) -> None:
         out[gguf] = (shape, fn)
 
     def put_as_is(gguf: str, hf: str) -> None:
-        put(gguf, checkpoint.shape(hf), read(hf))
+        fn = read(hf)
+        put(gguf, checkpoint.shape(hf), fn)
 
     def put_norm(gguf: str, hf: str) -> None:  # llama.cpp's RMSNorm multiplies by the weight: 1 + w
-        r = read(hf)
-        put(gguf, checkpoint.shape(hf), lambda: r() + 1.0)
+        fn = read(hf)
+        put(gguf, checkpoint.shape(hf), lambda: fn() + 1.0)
 
     put_as_is("token_embd.weight", prefix + "embed_tokens.weight")
     if not c.tie_word_embeddings:
