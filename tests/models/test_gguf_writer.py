@@ -197,3 +197,22 @@ def test_the_quantize_command_writes_a_file_and_refuses_bad_input_in_one_line(ch
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and message in lines[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]  # nothing else written
+
+
+def test_the_default_model_written_as_gguf_tokenizes_and_templates_as_its_files_do(tmp_path):
+    from hybridkv.default_model import default_model_dir
+    from hybridkv.engine.chat_template import ChatTemplate
+    from hybridkv.engine.tokenizer import Tokenizer
+
+    path = tmp_path / "default.gguf"
+    write_quantized(default_model_dir(), path, "f32")
+    with GGUFFile(path) as f:
+        ours, theirs = Tokenizer.from_gguf_metadata(f.metadata), Tokenizer.from_dir(default_model_dir())
+        template = ChatTemplate.from_gguf_metadata(f.metadata)
+    text = (REPO / "tests" / "data" / "default_model_heldout.txt").read_text(encoding="utf-8")[:20000]
+    text += "<|im_start|>user\nnaïve café 123 <|im_end|><|endoftext|>"
+    assert ours.encode(text) == theirs.encode(text)
+    messages = [{"role": "user", "content": "Hello"}]
+    reference = ChatTemplate.from_dir(default_model_dir())
+    assert template is not None and reference is not None
+    assert template.render(messages) == reference.render(messages)
