@@ -13,11 +13,11 @@ written here:
   - Q4_K_M: `attn_v` and `attn_qkv` (one counter over both, in file order) get Q6_K where
     `use_more_bits(i, n)` holds, and so does `ffn_down*` by layer; everything else Q4_K;
   - models with exactly 8 experts get `attn_v`/`attn_qkv`/`attn_k` in Q8_0 (any mixture) and
-    `attn_output` in Q5_K (Q4_K_M), which is not written here: such a file is refused.
+    `attn_output` in Q5_K (Q4_K_M).
 - `q4_k` is the pure type (`llama-quantize --pure`: no mixture rule, not even the head's).
 - `f32`, `f16`, `bf16`: every quantizable tensor in that type.
 - Fallbacks for rows that do not split into the type's blocks (`tensor_type_fallback`): Q4_K →
-  Q5_0, Q6_K → Q8_0, and F16 where rows are not a multiple of 32 either. So a model 192 wide
+  Q5_0, Q5_K → Q5_1, Q6_K → Q8_0, and F16 where rows are not a multiple of 32 either. So a model 192 wide
   written as Q4_K_M is mostly Q5_0, with Q8_0 where Q6_K was chosen.
 """
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from hybridkv.errors import NotSupported
 from hybridkv.ops.quant.traits import GGMLType
 
 _T = GGMLType
@@ -55,8 +54,9 @@ FILE_TYPES: dict[str, FileType] = {
         FileType("q4_k", 14, _T.Q4_K, False),  # what `llama-quantize --pure ... Q4_K_S` writes
     )
 }
-_BLOCK = {_T.F32: 1, _T.F16: 1, _T.BF16: 1, _T.Q8_0: 32, _T.Q5_0: 32, _T.Q4_K: 256, _T.Q5_K: 256, _T.Q6_K: 256}
-_FALLBACK = {_T.Q4_K: _T.Q5_0, _T.Q6_K: _T.Q8_0}
+_BLOCK = {_T.F32: 1, _T.F16: 1, _T.BF16: 1, _T.Q8_0: 32, _T.Q5_0: 32, _T.Q5_1: 32}
+_BLOCK |= {_T.Q4_K: 256, _T.Q5_K: 256, _T.Q6_K: 256}
+_FALLBACK = {_T.Q4_K: _T.Q5_0, _T.Q5_K: _T.Q5_1, _T.Q6_K: _T.Q8_0}
 _FLOATS = (_T.F32, _T.F16, _T.BF16)
 _LAYER = re.compile(r"^blk\.(\d+)\.")
 
@@ -150,9 +150,6 @@ def tensor_types(
                     new = _T.Q6_K
                 i_down += 1
             elif category == "attn_output" and n_experts == 8 and ftype.name == "q4_k_m":
-                raise NotSupported(
-                    f"{name}: llama.cpp's Q4_K_M gives a model with 8 experts Q5_K attention outputs, which "
-                    "hybridkv does not write; choose q4_k, q6_k or q8_0"
-                )
+                new = _T.Q5_K
         types[name] = fallback(new, row)
     return types

@@ -216,3 +216,33 @@ def test_the_default_model_written_as_gguf_tokenizes_and_templates_as_its_files_
     reference = ChatTemplate.from_dir(default_model_dir())
     assert template is not None and reference is not None
     assert template.render(messages) == reference.render(messages)
+
+
+def test_llama_cpps_rules_for_eight_experts_and_rows_that_fit_no_block():
+    """The rules no fixture reaches: a model with exactly 8 experts (attention in Q8_0, its output
+    Q5_K under Q4_K_M), and rows of 64 (Q4_K → Q5_0, Q5_K → Q5_1) or 48 (F16)."""
+    from hybridkv.models.gguf_recipe import file_type, tensor_types
+
+    tensors = [
+        ("output.weight", (100, 256)),
+        ("token_embd.weight", (100, 256)),
+        ("blk.0.attn_k.weight", (128, 256)),
+        ("blk.0.attn_output.weight", (256, 256)),
+        ("blk.0.attn_q.weight", (512, 256)),
+        ("blk.0.attn_v.weight", (128, 256)),
+        ("blk.0.ffn_down_exps.weight", (8, 256, 48)),
+        ("blk.1.attn_output.weight", (64, 64)),
+    ]
+    types = {n: t.name for n, t in tensor_types(tensors, file_type("q4_k_m"), n_layers=2, n_experts=8).items()}
+    assert types == {
+        "output.weight": "Q6_K",
+        "token_embd.weight": "Q4_K",
+        "blk.0.attn_k.weight": "Q8_0",
+        "blk.0.attn_output.weight": "Q5_K",
+        "blk.0.attn_q.weight": "Q4_K",
+        "blk.0.attn_v.weight": "Q8_0",
+        "blk.0.ffn_down_exps.weight": "F16",  # rows of 48: Q4_K, then Q5_0, fit neither
+        "blk.1.attn_output.weight": "Q5_1",
+    }
+    four = {n: t.name for n, t in tensor_types(tensors, file_type("q4_k_m"), n_layers=2, n_experts=4).items()}
+    assert four["blk.0.attn_output.weight"] == "Q4_K" and four["blk.1.attn_output.weight"] == "Q5_0"
