@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridkv.errors import NotSupported
-from hybridkv.models.gguf_write import INT32, STRING, Value, array, boolean, string, u32
+from hybridkv.models.gguf_container import INT32, STRING, Value, array, boolean, string, u32
 
 NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
 PRE_TOKENIZER = {"qwen3_next": "qwen2", "qwen3_5": "qwen35"}

@@ -38,9 +38,9 @@ import torch
 
 from hybridkv.models.config import ModelConfig
 from hybridkv.models.gguf import GGML_TYPES
+from hybridkv.models.gguf_container import BOOL, INT32, TensorEntry, Value, array, f32, string, u32, write_gguf
 from hybridkv.models.gguf_recipe import FileType, file_type, tensor_types
 from hybridkv.models.gguf_vocab import tokenizer_metadata
-from hybridkv.models.gguf_write import BOOL, INT32, TensorEntry, Value, array, f32, string, u32, write_gguf
 from hybridkv.models.qwen3_5 import TEXT_PREFIX, VLM_PREFIX
 from hybridkv.models.registry import FAMILIES
 from hybridkv.models.weights import Checkpoint, WeightsError
