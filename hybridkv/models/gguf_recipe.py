@@ -17,8 +17,11 @@ written here:
 - `q4_k` is the pure type (`llama-quantize --pure`: no mixture rule, not even the head's).
 - `f32`, `f16`, `bf16`: every quantizable tensor in that type.
 - Fallbacks for rows that do not split into the type's blocks (`tensor_type_fallback`): Q4_K →
-  Q5_0, Q5_K → Q5_1, Q6_K → Q8_0, and F16 where rows are not a multiple of 32 either. So a model 192 wide
-  written as Q4_K_M is mostly Q5_0, with Q8_0 where Q6_K was chosen.
+  Q5_0, Q5_K → Q5_1, Q6_K → Q8_0, and F16 where rows are not a multiple of 32 either. So a
+  model 192 wide written as Q4_K_M is mostly Q5_0, with Q8_0 where Q6_K was chosen.
+
+Not implemented: the rules of other file types (Q2_K, Q3_K_*, IQ*, ...), importance matrices,
+`--tensor-type` overrides, and the 70B / Falcon special cases (not these architectures).
 """
 
 from __future__ import annotations
