@@ -246,3 +246,23 @@ def test_llama_cpps_rules_for_eight_experts_and_rows_that_fit_no_block():
     }
     four = {n: t.name for n, t in tensor_types(tensors, file_type("q4_k_m"), n_layers=2, n_experts=4).items()}
     assert four["blk.0.attn_output.weight"] == "Q4_K" and four["blk.1.attn_output.weight"] == "Q5_0"
+
+
+@pytest.mark.parametrize(("file_type", "ftype"), [("q8_0", 7), ("q6_k", 18), ("q4_k_m", 15)])
+def test_on_the_default_model_llama_quantize_picks_our_types_fallbacks_included(file_type, ftype, tmp_path):
+    """Runs where llama-cpp-python is installed (the [peers] extra): its `llama_model_quantize` on
+    our f32 file of the default model (192 wide: Q5_0 / Q8_0 fallbacks) picks each tensor's type
+    as our writer does."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from hybridkv.default_model import default_model_dir
+
+    write_quantized(default_model_dir(), tmp_path / "f32.gguf", "f32")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    theirs = tmp_path / "theirs.gguf"
+    assert llama_cpp.llama_model_quantize(str(tmp_path / "f32.gguf").encode(), str(theirs).encode(), params) == 0
+    _, entries = plan(default_model_dir(), file_type)
+    with GGUFFile(theirs) as f:
+        assert {e.name: GGMLQuantizationType(e.type_id).name for e in entries} == {
+            n: t.type_name for n, t in f.tensors.items()
+        }
