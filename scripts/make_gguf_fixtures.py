@@ -179,6 +179,28 @@ def qwen35_k_checkpoint(path: Path) -> tuple[Any, list[int]]:
     return model, _encode(path)
 
 
+def qwen3next_wide_checkpoint(path: Path) -> Any:
+    """A 2-layer Qwen3-Next whose every row is 256 wide (so Q4_K_M keeps K-quants, no fallbacks),
+    with the compact test tokenizer: the model of `qwen3next-wide-q4_k_m.gguf`, which hybridkv's
+    own writer makes (scripts/gguf_vs_llama_cpp.py --fixture)."""
+    wide = dict(
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        num_experts=2,
+        num_experts_per_tok=1,
+        hidden_size=256,
+        head_dim=64,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        moe_intermediate_size=256,
+        shared_expert_intermediate_size=256,
+    )
+    model = make_hf_model(seed=3, vocab_size=COMPACT_VOCAB, **wide)
+    save_checkpoint(model, path)
+    write_qwen35_tokenizer(path, compact=True)
+    return model
+
+
 def llama_quantize(src: Path, dst: Path, ftype: int) -> None:
     """llama.cpp's own quantizer on a GGUF file (`llama_model_quantize` of llama-cpp-python)."""
     import llama_cpp

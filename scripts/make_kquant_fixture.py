@@ -1,4 +1,4 @@
-"""Regenerate tests/data/kquant/reference.safetensors: llama.cpp's own Q4_K and Q6_K blocks of
+"""Regenerate tests/data/kquant/reference.safetensors: llama.cpp's own Q4_K, Q5_K and Q6_K blocks of
 seeded random weights, to test `hybridkv.ops.quant.quantize` against a third party without
 building llama.cpp at test time.
 
@@ -6,8 +6,8 @@ building llama.cpp at test time.
 
 LIBGGML_BASE: the `libggml-base.so` of a built llama.cpp, e.g. the one a llama-cpp-python install
 ships (`site-packages/llama_cpp/lib/libggml-base.so`; the fixture was made with llama-cpp-python
-0.3.36's). Its `quantize_row_q4_K_ref` / `quantize_row_q6_K_ref` are what `llama-quantize` runs
-for these types without an importance matrix. The weights: 64 rows of 512, normal with a random
+0.3.36's). Its `quantize_row_q4_K_ref` / `_q5_K_ref` / `_q6_K_ref` are what `llama-quantize`
+runs for these types without an importance matrix. The weights: 64 rows of 512, normal with a random
 scale per row (so 128 super-blocks per type), seed 0; row 0's first super-block is zero.
 """
 
@@ -31,7 +31,7 @@ def main() -> None:
     w[0, :256] = 0
     x = np.ascontiguousarray(w.numpy().astype(np.float32))
     tensors = {"weights": w}
-    for name, block_bytes in (("q4_K", 144), ("q6_K", 210)):
+    for name, block_bytes in (("q4_K", 144), ("q5_K", 176), ("q6_K", 210)):
         out = np.zeros(x.size // 256 * block_bytes, np.uint8)
         fn = getattr(lib, f"quantize_row_{name}_ref")
         fn(x.ctypes.data_as(ctypes.c_void_p), out.ctypes.data_as(ctypes.c_void_p), ctypes.c_int64(x.size))

@@ -361,3 +361,29 @@ def test_against_llama_cpp_on_the_same_file():
 
     print_llama_cpp(doc, Console(file=out, width=160))
     assert "hybridkv vs llama.cpp" in out.getvalue() and "regenerate_ttft" in out.getvalue()
+
+
+@pytest.mark.parametrize("file_type", ["q8_0", "q4_k_m"])
+def test_without_a_model_the_llama_cpp_peer_writes_the_shape_as_a_gguf_file(tmp_path, file_type):
+    """Q8_0 by `hybridkv quantize`; Q4_K_M by llama.cpp's quantizer (where llama-cpp-python is
+    installed) from our BF16 file. Written beside the checkpoint once, then reused."""
+    import shutil
+
+    from hf_reference import make_hf_model, save_checkpoint
+
+    from hybridkv.bench.llama_cpp import shape_file
+    from hybridkv.default_model import default_model_dir
+    from hybridkv.models.gguf import GGUFFile, file_type_name
+
+    if file_type == "q4_k_m":
+        pytest.importorskip("llama_cpp")
+    checkpoint = save_checkpoint(make_hf_model(vocab_size=4096), tmp_path / "shape")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_dir() / name, checkpoint / name)
+    lines: list[str] = []
+    path = shape_file(checkpoint, file_type, lines.append)
+    assert path == tmp_path / f"shape-{file_type}.gguf"
+    with GGUFFile(path) as f:
+        assert file_type_name(f.metadata) == file_type.upper()
+    assert shape_file(checkpoint, file_type, lines.append) == path and lines[-1] == f"using {path}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shape", path.name]  # no BF16 or partial file left

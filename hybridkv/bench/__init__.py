@@ -68,7 +68,8 @@ def add_parser(commands: Any) -> None:
     model.add_argument(
         "--model",
         metavar="PATH",
-        help="a checkpoint directory to run instead of a built shape (with --peer llama.cpp: a .gguf file)",
+        help="a checkpoint directory to run instead of a built shape (with --peer llama.cpp: a .gguf file; without "
+        "one, the shape written as a GGUF file, --gguf)",
     )
     bench.add_argument(
         "--peer",
@@ -85,6 +86,13 @@ def add_parser(commands: Any) -> None:
         help="build the shape's checkpoint here once and reuse it in later runs (default: a temporary directory)",
     )
     bench.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and compute (float32)")
+    bench.add_argument(
+        "--gguf",
+        choices=["q8_0", "q4_k_m"],
+        default="q8_0",
+        help="with --peer llama.cpp and no --model: the shape's file, written beside its checkpoint (q8_0: "
+        "hybridkv quantize; q4_k_m: llama.cpp's quantizer, needs the [peers] extra)",
+    )
     bench.add_argument(
         "--quantize",
         choices=["q4_k", "q6_k", "q8_0"],
@@ -146,13 +154,22 @@ def _main_llama_cpp(args: argparse.Namespace, err: Any) -> int:
     from hybridkv.bench.report import write_json
     from hybridkv.bench.workload import FULL, QUICK
 
-    if args.model is None or not Path(args.model).is_file() or not args.model.endswith(".gguf"):
+    if args.model is not None and (not Path(args.model).is_file() or not args.model.endswith(".gguf")):
         raise FileNotFoundError(
             f"--peer llama.cpp runs a GGUF file in both engines: --model FILE.gguf, got {args.model}"
         )
     threads = args.threads or torch.get_num_threads()
     log = lambda line: err.print(line, style="dim", highlight=False)  # noqa: E731
-    document = run_llama_cpp(Path(args.model), threads, QUICK if args.quick else FULL, log)
+    plan = QUICK if args.quick else FULL
+    if args.model is not None:
+        document = run_llama_cpp(Path(args.model), threads, plan, log)
+    else:  # the shape, written as a GGUF file next to its checkpoint
+        from hybridkv.bench.llama_cpp import shape_file
+        from hybridkv.bench.workload import SHAPES, cached_checkpoint
+
+        with tempfile.TemporaryDirectory() as tmp:
+            checkpoint = cached_checkpoint(SHAPES[args.shape], DTYPES[args.dtype], args.cache_dir or Path(tmp), log)
+            document = run_llama_cpp(shape_file(checkpoint, args.gguf, log), threads, plan, log)
     if args.json is not None:
         write_json(document, args.json)
     out = Console()

@@ -261,3 +261,43 @@ def print_llama_cpp(document: dict[str, Any], console: Any) -> None:
         f"{document['scenarios']['regenerate_ttft']['hybridkv_tokens_computed']}",
         highlight=False,
     )
+
+
+GGUF_TYPES = {"q8_0": None, "q4_k_m": 15}  # file type → llama_ftype of llama.cpp's quantizer (None: ours)
+
+
+def shape_file(checkpoint: Path, file_type: str, log: Callable[[str], None] = print) -> Path:
+    """The bench shape's checkpoint as a GGUF file beside it, written the first time: Q8_0 by
+    `hybridkv quantize`; Q4_K_M by llama.cpp's own quantizer (`llama_model_quantize`) from our
+    BF16 file, so the K-quant file is llama.cpp's as a user would make it."""
+    path = checkpoint.with_name(f"{checkpoint.name}-{file_type}.gguf")
+    if path.is_file():
+        log(f"using {path}")
+        return path
+    from hybridkv.models.gguf_writer import write_quantized
+
+    ftype = GGUF_TYPES[file_type]
+    if ftype is None:
+        log(f"writing {path} (hybridkv quantize --type {file_type})")
+        write_quantized(checkpoint, path, file_type)
+        return path
+    try:
+        import llama_cpp
+    except ImportError:
+        raise NotSupported(
+            f"a {file_type} file comes from llama.cpp's quantizer: pip install 'hybridkv[peers]'"
+        ) from None
+    bf16 = checkpoint.with_name(f"{checkpoint.name}-bf16.gguf")
+    partial = path.with_name(path.name + ".partial")
+    try:
+        log(f"writing {bf16} (hybridkv quantize --type bf16), then {path} (llama_model_quantize, {file_type})")
+        write_quantized(checkpoint, bf16, "bf16")
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = ftype
+        if llama_cpp.llama_model_quantize(str(bf16).encode(), str(partial).encode(), params) != 0:
+            raise NotSupported(f"llama_model_quantize failed on {bf16}")
+        partial.rename(path)
+    finally:
+        bf16.unlink(missing_ok=True)
+        partial.unlink(missing_ok=True)
+    return path

@@ -2,13 +2,14 @@
 
 Q8_0 (`quantize_row_q8_0_ref` in ggml-quants.c): per block of 32, d = max|x| / 127 in float32,
 q = roundf(x · (1/d)) (halves away from zero; 0 where d = 0), d stored as float16. Bit-identical
-to llama.cpp's and gguf-py's (`gguf.quants.quantize`) blocks.
+to llama.cpp's and gguf-py's (`gguf.quants.quantize`) blocks; so are Q5_0 and Q5_1 (the fallbacks
+`hybridkv quantize` writes for rows that K-quant blocks do not fit).
 
-Q4_K and Q6_K follow `quantize_row_q4_K_ref` / `quantize_row_q6_K_ref` (what `llama-quantize`
+Q4_K, Q5_K and Q6_K follow `quantize_row_q4_K_ref` / `_q5_K_ref` / `_q6_K_ref` (what `llama-quantize`
 runs without an importance matrix), vectorized over sub-blocks: Q6_K picks each 16-weight
 sub-block's scale by `make_qx_quants` (the best of 19 trial scales by weighted least squares,
-weights x²), Q4_K each 32-weight sub-block's scale and min by `make_qkx2_quants` (21 trial
-scales, weights rms(x) + |x|); both then quantize the sub-block scales against the super-block's
+weights x²), Q4_K and Q5_K each 32-weight sub-block's scale and min by `make_qkx2_quants` (21
+and 16 trial scales, weights rms(x) + |x|); all then quantize the sub-block scales against the super-block's
 largest (to 8 and 6 bits) and the weights against the rounded scales. The sums here run in
 PyTorch's order, not the C loop's, so a near-tie between two trial scales can resolve the other
 way: the blocks are valid and as accurate, not always byte-identical to llama.cpp's. A sub-block
@@ -27,7 +28,14 @@ from hybridkv.ops.quant.traits import GGMLType
 QUANTIZE_TYPES = {"q8_0": GGMLType.Q8_0, "q4_k": GGMLType.Q4_K, "q6_k": GGMLType.Q6_K}
 _ROWS_AT_ONCE = 4096  # rows quantized at once: bounds the temporaries
 _WEIGHTS_AT_ONCE = 1 << 18  # K-quants: weights quantized at once (their trial loops keep a few copies)
-_BLOCK_ELEMS = {GGMLType.Q8_0: 32, GGMLType.Q4_K: 256, GGMLType.Q6_K: 256}
+_BLOCK_ELEMS = {
+    GGMLType.Q8_0: 32,
+    GGMLType.Q5_0: 32,
+    GGMLType.Q5_1: 32,
+    GGMLType.Q4_K: 256,
+    GGMLType.Q5_K: 256,
+    GGMLType.Q6_K: 256,
+}
 GROUP_MAX_EPS = 1e-15
 
 
@@ -47,6 +55,58 @@ def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:
         out[r : r + _ROWS_AT_ONCE, :, :2] = d.half().view(torch.uint8).reshape(-1, K // 32, 2)
         out[r : r + _ROWS_AT_ONCE, :, 2:] = q.to(torch.int8).view(torch.uint8)
     return out.reshape(*w.shape[:-1], K // 32 * 34)
+
+
+def _five_bit_blocks(
+    w: torch.Tensor, name: str, header: int, codes: Callable[[torch.Tensor], tuple[list[torch.Tensor], torch.Tensor]]
+) -> torch.Tensor:
+    """Q5_0 / Q5_1 rows: per block of 32, `codes(x [N, B, 32])` gives the float16 header values and
+    the 5-bit codes q [N, B, 32]; stored as the header, qh (bit j: element j's fifth bit) and the
+    low nibbles (element j and j + 16 share byte j)."""
+    K = w.shape[-1]
+    if K % 32:
+        raise ValueError(f"{name} needs rows of a multiple of 32 weights, got {K}")
+    flat = w.reshape(-1, K)
+    size = header + 20
+    out = torch.empty(flat.shape[0], K // 32, size, dtype=torch.uint8)
+    bit = torch.arange(32, dtype=torch.int64)
+    for r in range(0, flat.shape[0], _ROWS_AT_ONCE):
+        x = flat[r : r + _ROWS_AT_ONCE].float().reshape(-1, K // 32, 32)
+        values, q = codes(x)
+        n = x.shape[0]
+        out[r : r + n, :, :header] = torch.cat([v.half().view(torch.uint8) for v in values], -1)
+        qh = (((q >> 4) & 1) << bit).sum(-1)
+        out[r : r + n, :, header : header + 4] = torch.stack([(qh >> (8 * i)) & 0xFF for i in range(4)], -1).to(
+            torch.uint8
+        )
+        out[r : r + n, :, header + 4 :] = ((q[..., :16] & 0xF) | ((q[..., 16:] & 0xF) << 4)).to(torch.uint8)
+    return out.reshape(*w.shape[:-1], K // 32 * size)
+
+
+def quantize_q5_0(w: torch.Tensor) -> torch.Tensor:
+    """w [..., K] (K a multiple of 32) → Q5_0 rows uint8 [..., K/32·22], as `quantize_row_q5_0_ref`:
+    d = (the first element of largest |x|) / −16, q = min(31, trunc(x/d + 16.5)). llama.cpp's
+    fallback for Q4_K rows that are not 256 wide."""
+
+    def codes(x: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        d = x.gather(-1, x.abs().argmax(-1, keepdim=True)) / -16
+        inv = torch.where(d == 0, 0.0, torch.ones_like(d) / d)
+        return [d], (x * inv + 16.5).to(torch.int8).clamp(max=31).to(torch.int64)  # the C cast truncates
+
+    return _five_bit_blocks(w, "Q5_0", 2, codes)
+
+
+def quantize_q5_1(w: torch.Tensor) -> torch.Tensor:
+    """w [..., K] (K a multiple of 32) → Q5_1 rows uint8 [..., K/32·24], as `quantize_row_q5_1_ref`:
+    d = (max − min) / 31, m = min, q = trunc((x − min)/d + 0.5). llama.cpp's fallback for Q5_K."""
+
+    def codes(x: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+        d = (hi - lo) / 31
+        inv = torch.where(d == 0, 0.0, torch.ones_like(d) / d)
+        return [d, lo], ((x - lo) * inv + 0.5).to(torch.uint8).to(torch.int64)
+
+    return _five_bit_blocks(w, "Q5_1", 4, codes)
 
 
 def _nearest(x: torch.Tensor) -> torch.Tensor:
@@ -81,9 +141,11 @@ def _qx_scale(x: torch.Tensor, nmax: int) -> torch.Tensor:
     return torch.where(zero, torch.zeros_like(scale), scale).squeeze(-1)
 
 
-def _qkx2_scale_min(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`make_qkx2_quants(n, nmax, x, weights, ..., rmin=-1, rdelta=0.1, nstep=20, use_mad=false)`
-    with Q4_K's weights rms(x) + |x|, for each row of x [S, n] → (scale, −min) [S]."""
+def _qkx2_scale_min(
+    x: torch.Tensor, nmax: int, rmin: float = -1.0, nstep: int = 20
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`make_qkx2_quants(n, nmax, x, weights, ..., rmin, rdelta=0.1, nstep, use_mad=false)` with
+    Q4_K's and Q5_K's weights rms(x) + |x|, for each row of x [S, n] → (scale, −min) [S]."""
     w = torch.sqrt((x * x).sum(-1, keepdim=True) / x.shape[-1]) + x.abs()
     lo = x.amin(-1, keepdim=True).clamp(max=0)
     hi = x.amax(-1, keepdim=True)
@@ -101,10 +163,10 @@ def _qkx2_scale_min(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Ten
     iscale = nmax / span
     scale, minimum = 1 / iscale, lo
     best = error(scale, minimum, codes(iscale, minimum))
-    for step in range(21):
+    for step in range(nstep + 1):
         # as the C loop: each trial starts from the best min so far (it moves when a trial wins)
         width = hi - minimum
-        q = codes((-1.0 + 0.1 * step + nmax) / torch.where(width > 0, width, torch.ones_like(width)), minimum)
+        q = codes((rmin + 0.1 * step + nmax) / torch.where(width > 0, width, torch.ones_like(width)), minimum)
         sum_l, sum_l2, sum_xl = (
             (w * q).sum(-1, keepdim=True),
             (w * q * q).sum(-1, keepdim=True),
@@ -154,10 +216,12 @@ def _q6_k(x: torch.Tensor) -> torch.Tensor:
     return torch.where(zero.expand(B, 210), torch.zeros_like(out), out)
 
 
-def _q4_k(x: torch.Tensor) -> torch.Tensor:
-    """x [B, 256] → Q4_K blocks uint8 [B, 144]."""
+def _scale_min_blocks(x: torch.Tensor, nmax: int, rmin: float, nstep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K's shared part (`quantize_row_q4_K_ref`, `_q5_K_ref`): x [B, 256] → (d, dmin,
+    packed 6-bit sub-block scales and mins) as the block's first 16 bytes [B, 16], and the codes
+    L [B, 8, 32] in 0..nmax."""
     B = x.shape[0]
-    scales, mins = (t.view(B, 8) for t in _qkx2_scale_min(x.reshape(B * 8, 32), 15))
+    scales, mins = (t.view(B, 8) for t in _qkx2_scale_min(x.reshape(B * 8, 32), nmax, rmin, nstep))
     # the C loop starts both at +0 and takes only larger values: never -0
     max_scale, max_min = (
         torch.where(t > 0, t, 0.0) for t in (scales.amax(-1, keepdim=True), mins.amax(-1, keepdim=True))
@@ -166,22 +230,36 @@ def _q4_k(x: torch.Tensor) -> torch.Tensor:
     inv_min = torch.where(max_min > 0, 63.0 / max_min.clamp_min(1e-30), torch.zeros_like(max_min))
     ls = _nearest(inv_scale * scales).clamp(max=63).to(torch.uint8)
     lm = _nearest(inv_min * mins).clamp(max=63).to(torch.uint8)
-    packed = torch.empty(B, 12, dtype=torch.uint8)
-    packed[:, 0:4] = ls[:, :4] | ((ls[:, 4:] >> 4) << 6)
-    packed[:, 4:8] = lm[:, :4] | ((lm[:, 4:] >> 4) << 6)
-    packed[:, 8:12] = (ls[:, 4:] & 0xF) | ((lm[:, 4:] & 0xF) << 4)
+    head = torch.empty(B, 16, dtype=torch.uint8)
     d, dmin = _f16(max_scale / 63), _f16(max_min / 63)
+    head[:, 0:2] = d.half().view(torch.uint8).view(B, 2)
+    head[:, 2:4] = dmin.half().view(torch.uint8).view(B, 2)
+    head[:, 4:8] = ls[:, :4] | ((ls[:, 4:] >> 4) << 6)
+    head[:, 8:12] = lm[:, :4] | ((lm[:, 4:] >> 4) << 6)
+    head[:, 12:16] = (ls[:, 4:] & 0xF) | ((lm[:, 4:] & 0xF) << 4)
     dd = (d * ls.float()).unsqueeze(-1)  # [B, 8, 1]
     dm = (dmin * lm.float()).unsqueeze(-1)
     sub = x.view(B, 8, 32)
-    L = _nearest((sub + dm) / torch.where(dd == 0, torch.ones_like(dd), dd)).clamp(0, 15).where(dd != 0, 0)
-    L = L.view(B, 4, 2, 32).to(torch.uint8)
-    out = torch.empty(B, 144, dtype=torch.uint8)
-    out[:, 0:2] = d.half().view(torch.uint8).view(B, 2)
-    out[:, 2:4] = dmin.half().view(torch.uint8).view(B, 2)
-    out[:, 4:16] = packed
-    out[:, 16:] = (L[:, :, 0] | (L[:, :, 1] << 4)).reshape(B, 128)
-    return out
+    L = _nearest((sub + dm) / torch.where(dd == 0, torch.ones_like(dd), dd)).clamp(0, nmax).where(dd != 0, 0)
+    return head, L.to(torch.uint8)
+
+
+def _q4_k(x: torch.Tensor) -> torch.Tensor:
+    """x [B, 256] → Q4_K blocks uint8 [B, 144]: 32-byte chunk c holds sub-blocks 2c (low nibbles)
+    and 2c + 1 (high)."""
+    head, L = _scale_min_blocks(x, 15, -1.0, 20)
+    L = L.view(-1, 4, 2, 32)
+    return torch.cat([head, (L[:, :, 0] | (L[:, :, 1] << 4)).reshape(-1, 128)], dim=1)
+
+
+def _q5_k(x: torch.Tensor) -> torch.Tensor:
+    """x [B, 256] → Q5_K blocks uint8 [B, 176]: Q4_K's nibbles, and bit j of qh[l] the fifth bit
+    of element l of sub-block j."""
+    head, L = _scale_min_blocks(x, 31, -0.5, 15)
+    fifth = (L >> 4).to(torch.int32) << torch.arange(8, dtype=torch.int32).view(1, 8, 1)
+    qh = fifth.sum(1).to(torch.uint8)  # [B, 32]
+    L = (L & 0xF).view(-1, 4, 2, 32)
+    return torch.cat([head, qh, (L[:, :, 0] | (L[:, :, 1] << 4)).reshape(-1, 128)], dim=1)
 
 
 def _k_quantize(w: torch.Tensor, block: Callable[[torch.Tensor], torch.Tensor], block_bytes: int) -> torch.Tensor:
@@ -201,6 +279,11 @@ def quantize_q6_k(w: torch.Tensor) -> torch.Tensor:
     return _k_quantize(w, _q6_k, 210)
 
 
+def quantize_q5_k(w: torch.Tensor) -> torch.Tensor:
+    """w [..., K] (K a multiple of 256) → Q5_K rows uint8 [..., K/256·176]."""
+    return _k_quantize(w, _q5_k, 176)
+
+
 def quantize_q4_k(w: torch.Tensor) -> torch.Tensor:
     """w [..., K] (K a multiple of 256) → Q4_K rows uint8 [..., K/256·144]."""
     return _k_quantize(w, _q4_k, 144)
@@ -215,8 +298,16 @@ def quantize(w: torch.Tensor, type_id: GGMLType) -> torch.Tensor:
     """w [..., K] → rows of blocks of `type_id` (one of QUANTIZE_TYPES)."""
     if type_id == GGMLType.Q8_0:
         return quantize_q8_0(w)
+    if type_id == GGMLType.Q5_0:
+        return quantize_q5_0(w)
+    if type_id == GGMLType.Q5_1:
+        return quantize_q5_1(w)
     if type_id == GGMLType.Q4_K:
         return quantize_q4_k(w)
+    if type_id == GGMLType.Q5_K:
+        return quantize_q5_k(w)
     if type_id == GGMLType.Q6_K:
         return quantize_q6_k(w)
-    raise ValueError(f"cannot quantize to {type_id.name}; hybridkv quantizes to {', '.join(QUANTIZE_TYPES)}")
+    raise ValueError(
+        f"cannot quantize to {type_id.name}; hybridkv quantizes to {', '.join(QUANTIZE_TYPES)}, q5_0, q5_k"
+    )
