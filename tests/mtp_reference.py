@@ -9,11 +9,14 @@ reference the cached block is tested against; the main model's hidden states com
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
 Tensors = dict[str, torch.Tensor]
 
@@ -176,3 +179,17 @@ def twin_draft(
             ids.append(int(logits.argmax()))
             hiddens.append(normed[-1] if hidden == "post_norm" else raw[-1])
     return torch.stack(out)
+
+
+def add_mtp(path: Path, tensors: Tensors) -> Path:
+    """Add `tensors` to the checkpoint in `path` (one model.safetensors) and say in config.json
+    that it has one MTP layer, where each family says it."""
+    file = path / "model.safetensors"
+    save_file(load_file(file) | tensors, str(file), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    if config["model_type"] == "qwen3_next":
+        config["num_nextn_predict_layers"] = 1
+    else:
+        config.get("text_config", config)["mtp_num_hidden_layers"] = 1
+    (path / "config.json").write_text(json.dumps(config))
+    return path
