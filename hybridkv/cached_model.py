@@ -131,13 +131,16 @@ class CachedModel:
         tokens: Mapping[int, Sequence[int]],
         logits: LogitsMode | Mapping[int, LogitsMode] = "all",
         snapshot_at: Mapping[int, Iterable[int]] | None = None,
+        verify: Iterable[int] = (),
     ) -> dict[int, torch.Tensor]:
         """Append tokens to sequences in one forward; returns float32 CPU logits per sequence fed:
         `[n, V]` for "all", `[1, V]` for "last", nothing for "none". `logits` is one mode for the
         whole batch or a mode per sequence (a sequence not in the mapping gets "none").
 
         `snapshot_at` asks for extra snapshots after the given absolute positions (on top of the
-        `snapshot_interval` policy). Raises ValueError (bad input) or CacheFull with nothing changed.
+        `snapshot_interval` policy). Sequences in `verify` feed [last token, drafts...]: their
+        tokens are provisional until `accept` says how many to keep. Raises ValueError (bad
+        input) or CacheFull with nothing changed.
         """
         modes = {seq: logits for seq in tokens} if isinstance(logits, str) else dict(logits)
         for mode in modes.values():
@@ -148,7 +151,14 @@ class CachedModel:
         if unfed := [seq for seq in modes if seq not in tokens]:
             raise ValueError(f"logits asked for sequence {unfed[0]!r}, which is not fed")
         batch = {seq: self._validate_ids(seq, ids) for seq, ids in tokens.items()}
-        return self._forward(batch, {seq: modes.get(seq, "none") for seq in batch}, snapshot_at)
+        return self._forward(batch, {seq: modes.get(seq, "none") for seq in batch}, snapshot_at, verify)
+
+    def accept(self, seq: int, length: int) -> None:
+        """After a `feed` that verified drafts for `seq`: keep its first `length` tokens, exactly
+        as if only those had been fed (`HybridCache.accept`; nothing is recomputed)."""
+        history = self._known(seq)
+        self.cache.accept(seq, length)
+        del history[length:]
 
     def _validate_ids(self, seq: int, ids: Sequence[int]) -> list[int]:
         self._known(seq)
@@ -168,8 +178,9 @@ class CachedModel:
         batch: dict[int, list[int]],
         logits: Mapping[int, LogitsMode],
         snapshot_at: Mapping[int, Iterable[int]] | None = None,
+        verify: Iterable[int] = (),
     ) -> dict[int, torch.Tensor]:
-        fb = self.cache.begin_forward({seq: len(ids) for seq, ids in batch.items()}, snapshot_at)
+        fb = self.cache.begin_forward({seq: len(ids) for seq, ids in batch.items()}, snapshot_at, verify)
         input_ids = torch.tensor([t for ids in batch.values() for t in ids], dtype=torch.int64)
         rows: dict[int, range] = {}  # sequence -> its rows in the flat token order, where logits are wanted
         for start, (seq, ids) in zip(fb.cu_seqlens[:-1].tolist(), batch.items(), strict=True):

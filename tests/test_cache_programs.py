@@ -72,6 +72,7 @@ class CachePrograms(RuleBasedStateMachine):
             max_model_len=MAX_LEN,
             block_size=4,
             max_sequences=4,
+            verify_rows=6,
         )
         self.cm = CachedModel.load(checkpoint, cache=config, mtp=self.mtp)
         self.expected: dict[int, list[int]] = {}
@@ -107,6 +108,26 @@ class CachePrograms(RuleBasedStateMachine):
             self.expected[seq] += ids
             self.check(seq, out[seq])
             self.changed(seq, data)
+
+    @precondition(lambda self: self.expected)
+    @rule(data=st.data(), n=st.integers(2, 4), keep=st.integers(1, 4))
+    def verify(self, data: st.DataObject, n: int, keep: int) -> None:
+        """Speculative verification: feed a token and n-1 drafts, keep the first `keep` (the
+        others rejected): the kept rows' logits and everything after equal a recompute over
+        the kept tokens only."""
+        seq = data.draw(st.sampled_from(sorted(self.expected)))
+        ids = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=n, max_size=n))
+        if len(self.expected[seq]) + n > MAX_LEN:
+            return
+        keep = min(keep, n)
+        try:
+            out = self.cm.feed({seq: ids}, verify=[seq])
+        except CacheFull:
+            return
+        self.cm.accept(seq, len(self.expected[seq]) + keep)
+        self.expected[seq] += ids[:keep]
+        self.check(seq, out[seq][:keep])
+        self.changed(seq, data)
 
     @precondition(lambda self: self.expected and len(self.expected) < 4)
     @rule(data=st.data())
@@ -224,7 +245,7 @@ Qwen35MoePrograms.TestCase.settings = _settings(8)
 TestQwen35DensePrograms = Qwen35DensePrograms.TestCase
 TestQwen35MoePrograms = Qwen35MoePrograms.TestCase
 GGUFPrograms.TestCase.settings = _settings(6)
-MTPPrograms.TestCase.settings = _settings(8)
+MTPPrograms.TestCase.settings = _settings(5)
 TestMTPPrograms = MTPPrograms.TestCase
 TestGGUFPrograms = GGUFPrograms.TestCase
 

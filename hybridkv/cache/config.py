@@ -29,6 +29,9 @@ class CacheConfig:
     max_sequences: live sequences at once (each holds at most one recurrent state slot).
     snapshot_interval: keep a snapshot whenever a sequence's length reaches a multiple of it
         (after positions interval-1, 2*interval-1, ...); 0 turns interval snapshots off.
+    verify_rows: scratch recurrent states for speculative verification: a forward verifying k
+        drafts keeps the state after each of its first k positions in one row each until
+        `HybridCache.accept` picks one (k per speculating sequence; 0: no speculation).
     """
 
     kv_bytes: int | None = None
@@ -39,13 +42,14 @@ class CacheConfig:
     block_size: int = 16
     snapshot_interval: int = 256
     snapshots_per_sequence: int = 8
+    verify_rows: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_sequences", "max_model_len", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"CacheConfig.{name} must be a positive int, got {value!r}")
-        for name in ("snapshot_interval", "snapshots_per_sequence"):
+        for name in ("snapshot_interval", "snapshots_per_sequence", "verify_rows"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"CacheConfig.{name} must be an int >= 0, got {value!r}")
@@ -100,10 +104,12 @@ class PoolSizes:
     kv_bytes: int
     state_bytes: int
     snapshot_bytes: int
+    num_verify_rows: int = 0
+    verify_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
-        return self.kv_bytes + self.state_bytes + self.snapshot_bytes
+        return self.kv_bytes + self.state_bytes + self.snapshot_bytes + self.verify_bytes
 
     @staticmethod
     def plan(spec: CacheSpec, config: CacheConfig) -> PoolSizes:
@@ -146,4 +152,6 @@ class PoolSizes:
             kv_bytes=num_blocks * block_bytes,
             state_bytes=num_slots * slot_bytes,
             snapshot_bytes=num_snapshots * slot_bytes,
+            num_verify_rows=config.verify_rows if spec.has_state else 0,
+            verify_bytes=config.verify_rows * slot_bytes,
         )

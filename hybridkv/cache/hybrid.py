@@ -2,6 +2,13 @@
 
 Every public operation checks what it needs first and raises (`CacheFull`, `ValueError`) before
 changing anything, so an error never leaves half-changed bookkeeping behind.
+
+Speculative verification: a forward that feeds [last token, d1..dk] for a sequence in its
+`verify` set writes the recurrent state after each of its first k positions into scratch rows
+(extra rows of the snapshot tensors, outside every ring) as the kernel passes them; `accept`
+then keeps the accepted prefix by cutting the KV and loading one row into the live slot. Nothing
+is copied before the forward and nothing is recomputed after it; a rejected token's state is
+never in a ring, so it can reach no fork, restore or prefix reuse.
 """
 
 from __future__ import annotations
@@ -27,6 +34,13 @@ class _Sequence:
     block_table: list[int] = field(default_factory=list)
     slot: int | None = None  # None until the first forward (a zero state needs no slot yet)
     live_valid: bool = True  # False after a forward that raised: the live state is unusable
+    verify: _Verify | None = None  # the last forward verified drafts: its scratch rows, until `accept`
+
+
+@dataclass(slots=True)
+class _Verify:
+    start: int  # the sequence's length before the verify forward
+    rows: list[int]  # verify-row ids: the state after position start + i is in rows[i]
 
 
 @dataclass(slots=True)
@@ -45,6 +59,7 @@ class HybridCache:
         self.blocks = RefPool("KV block", self.sizes.num_blocks)
         self.slots = RefPool("state slot", self.sizes.num_slots)
         self.snapshots = SnapshotPool(self.sizes.num_snapshots)
+        self.verify_rows = RefPool("verify row", self.sizes.num_verify_rows)
         self.tensors = self._allocate(device)
         self._seqs: dict[int, _Sequence] = {}
         self._next_id = 0
@@ -73,8 +88,9 @@ class HybridCache:
             return [torch.zeros(rows, s.hidden_carry_dim, dtype=f32, device=device)] if s.hidden_carry_dim else []
 
         conv, delta = states(z.num_slots)
-        snap_conv, snap_delta = states(z.num_snapshots)
-        return CacheTensors(kv(), kv(), conv, delta, snap_conv, snap_delta, carry(z.num_slots), carry(z.num_snapshots))
+        snap_rows = z.num_snapshots + z.num_verify_rows  # verify rows last
+        snap_conv, snap_delta = states(snap_rows)
+        return CacheTensors(kv(), kv(), conv, delta, snap_conv, snap_delta, carry(z.num_slots), carry(snap_rows))
 
     # -- sequences ----------------------------------------------------------------------------
 
@@ -111,20 +127,37 @@ class HybridCache:
     # -- forward ------------------------------------------------------------------------------
 
     def begin_forward(
-        self, batch: Mapping[int, int], snapshot_positions: Mapping[int, Iterable[int]] | None = None
+        self,
+        batch: Mapping[int, int],
+        snapshot_positions: Mapping[int, Iterable[int]] | None = None,
+        verify: Iterable[int] = (),
     ) -> ForwardBatch:
         """Reserve room for `batch` (sequence -> new token count) and describe it for the model.
 
         Snapshots are planned at every multiple of `snapshot_interval` reached and at the requested
         `snapshot_positions` (absolute positions inside the new tokens; others are ignored).
-        Copy-on-write of shared slots and shared partial blocks happens here, before the model runs.
+        Sequences in `verify` get no snapshots: the state after each new token but the last goes
+        to a verify row instead, held until `accept` (interval snapshots are taken there, from
+        the accepted rows). Copy-on-write of shared slots and shared partial blocks happens
+        here, before the model runs.
         """
         if self._pending is not None:
             raise RuntimeError("a forward is already in progress: call end_forward first")
         if not batch:
             raise ValueError("empty batch: feed at least one token")
+        verifying = set(verify)
+        if stray := verifying - set(batch):
+            raise ValueError(f"verify names sequence {min(stray)!r}, which is not in the batch")
         bs = self.config.block_size
         need_blocks = need_slots = 0
+        if self.spec.has_state:
+            need_rows = sum(batch[seq] - 1 for seq in verifying)
+            held = sum(len(v.rows) for seq in batch if (v := self._get(seq).verify) is not None)
+            if need_rows > self.verify_rows.num_free + held:
+                raise CacheFull(
+                    f"verify rows full: this batch verifies {need_rows} drafts, {self.verify_rows.num_free} rows free "
+                    "(CacheConfig.verify_rows)"
+                )
         for seq, n in batch.items():
             s = self._get(seq)
             if not isinstance(n, int) or n < 1:
@@ -158,6 +191,7 @@ class HybridCache:
         offset = 0
         for seq, n in batch.items():
             s = self._seqs[seq]
+            self._drop_verify(s)  # never accepted: the forward before this one kept all it fed
             self._make_last_block_private(s)
             while len(s.block_table) < math.ceil((s.length + n) / bs):
                 s.block_table.append(self.blocks.alloc())
@@ -169,12 +203,18 @@ class HybridCache:
                 row0 = s.block_table[b] * bs
                 slot_mapping.extend(range(row0 + max(first - b * bs, 0), row0 + min(end - b * bs, bs)))
             tables.append(s.block_table)
-            wanted = set(snapshot_positions.get(seq, ()) if snapshot_positions else ())
-            for p in self._plan_snapshots(s, n, wanted):
-                snap = s.ring.record(p)
-                if snap is not None:
-                    snapshot_at.append(offset + p - s.length)
-                    snapshot_ids.append(snap)
+            if seq in verifying:
+                rows = [self.verify_rows.alloc() for _ in range(n - 1)] if self.spec.has_state else []
+                s.verify = _Verify(s.length, rows)
+                snapshot_at.extend(range(offset, offset + len(rows)))
+                snapshot_ids.extend(self.sizes.num_snapshots + row for row in rows)
+            else:
+                wanted = set(snapshot_positions.get(seq, ()) if snapshot_positions else ())
+                for p in self._plan_snapshots(s, n, wanted):
+                    snap = s.ring.record(p)
+                    if snap is not None:
+                        snapshot_at.append(offset + p - s.length)
+                        snapshot_ids.append(snap)
             offset += n
         for seq, n in batch.items():
             self._seqs[seq].length += n
@@ -221,6 +261,7 @@ class HybridCache:
         self.snapshots.drop_pending(pending.snapshots)
         for seq, start in zip(fb.seq_ids, fb.start_lens, strict=True):
             s = self._seqs[seq]
+            self._drop_verify(s)
             self._cut_blocks(s, start)
             s.length = start
             s.live_valid = start == 0
@@ -247,6 +288,8 @@ class HybridCache:
                 raise ValueError(f"sequence {seq} is empty: feed at least one token first")
             if not s.live_valid:
                 raise ValueError(f"sequence {seq}: its last forward failed; truncate it first")
+            if s.verify is not None:
+                raise ValueError(f"sequence {seq}: accept its verify forward first")
         found = [self._seqs[seq] for seq in seqs]
         width = max(len(s.block_table) for s in found)
         return CacheView(
@@ -256,6 +299,54 @@ class HybridCache:
             state_slots=torch.tensor([s.slot if s.slot is not None else 0 for s in found]),
             tensors=self.tensors,
         )
+
+    # -- speculative verification -------------------------------------------------------------
+
+    def accept(self, seq: int, length: int) -> None:
+        """After a forward that verified drafts for `seq`: keep its first `length` tokens (at
+        least the first token that forward fed), as if only those had been fed. The KV rows past
+        `length` are dropped and the live state becomes the verify row of position length-1 (or
+        stays, when every fed token is kept); interval snapshots the kept tokens reached are
+        taken from their rows. The verify rows are freed. Raises ValueError, changing nothing,
+        when `seq`'s last forward verified nothing or `length` is outside what it fed."""
+        s = self._get(seq)
+        v = s.verify
+        if v is None:
+            raise ValueError(f"sequence {seq}: its last forward verified no drafts, there is nothing to accept")
+        if self._pending is not None and seq in self._pending.batch.seq_ids:
+            raise RuntimeError(f"sequence {seq} is in the forward in progress")
+        if not isinstance(length, int) or not v.start < length <= s.length:
+            raise ValueError(f"sequence {seq}: accept length {length!r} is outside {v.start + 1}..{s.length}")
+        interval = self.config.snapshot_interval
+        for p in range(v.start, length) if interval and s.ring.capacity else ():
+            if (p + 1) % interval == 0 and (snap := s.ring.record(p)) is not None:
+                self._copy_state(self._verify_row(v, p, s), snap, to_snapshot=True)
+                self.snapshots.mark_complete([snap])
+        if length < s.length:
+            self._cut_blocks(s, length)
+            s.length = length
+            if s.slot is not None:
+                self._copy_state(self._verify_row(v, length - 1, s), s.slot, to_snapshot=False)
+        self._drop_verify(s)
+
+    def _verify_row(self, v: _Verify, p: int, s: _Sequence) -> tuple[str, int]:
+        """Where the state after position p of a verify forward is: a verify row, or the live slot."""
+        if p - v.start < len(v.rows):
+            return "snap", self.sizes.num_snapshots + v.rows[p - v.start]
+        assert s.slot is not None
+        return "live", s.slot
+
+    def _copy_state(self, source: tuple[str, int], dest: int, to_snapshot: bool) -> None:
+        t = self.tensors
+        for live, snap in zip(t.live_states(), t.snapshot_states(), strict=True):
+            src = (snap if source[0] == "snap" else live)[source[1]]
+            (snap if to_snapshot else live)[dest].copy_(src)
+
+    def _drop_verify(self, s: _Sequence) -> None:
+        if s.verify is not None:
+            for row in s.verify.rows:
+                self.verify_rows.decref(row)
+            s.verify = None
 
     # -- fork / truncate / release ------------------------------------------------------------
 
@@ -267,6 +358,8 @@ class HybridCache:
         snapshots are shared by reference and copied only when written.
         """
         s = self._get(src)
+        if s.verify is not None:
+            raise ValueError(f"sequence {src}: accept its verify forward before forking it")
         length = s.length if length is None else length
         self._check_position(src, length)
         if len(self._seqs) >= self.config.max_sequences:
@@ -304,6 +397,8 @@ class HybridCache:
         for that re-feed is checked first, so it cannot fail with CacheFull.
         """
         s = self._check_position(seq, p)
+        if s.verify is not None:
+            raise ValueError(f"sequence {seq}: accept its verify forward before truncating it")
         if p == s.length and s.live_valid:
             return p
         best = s.ring.best(p) if p > 0 else None
@@ -334,6 +429,7 @@ class HybridCache:
         if s.slot is not None:
             self.slots.decref(s.slot)
         s.ring.reset()
+        self._drop_verify(s)
         del self._seqs[seq]
 
     def can_resume(self, seq: int, p: int) -> bool:
@@ -414,7 +510,13 @@ class HybridCache:
         bs = self.config.block_size
         block_refs: dict[int, int] = {}
         slot_refs: dict[int, int] = {}
+        row_refs: dict[int, int] = {}
         for seq, s in self._seqs.items():
+            if s.verify is not None:
+                if len(s.verify.rows) > s.length - s.verify.start:
+                    raise IntegrityError(f"sequence {seq}: more verify rows than tokens fed since {s.verify.start}")
+                for row in s.verify.rows:
+                    row_refs[row] = row_refs.get(row, 0) + 1
             if len(s.block_table) != math.ceil(s.length / bs):
                 raise IntegrityError(f"sequence {seq}: {len(s.block_table)} blocks for {s.length} tokens")
             for block in s.block_table:
@@ -430,6 +532,7 @@ class HybridCache:
                     raise IntegrityError(f"sequence {seq}: snapshot at {pos} beyond length {s.length}")
         self.blocks.check(block_refs)
         self.slots.check(slot_refs)
+        self.verify_rows.check(row_refs)
         self.snapshots.check_integrity([s.ring for s in self._seqs.values()])
 
     def memory(self) -> dict[str, int]:
@@ -444,4 +547,5 @@ class HybridCache:
             "state_bytes_used": self.slots.num_used * state,
             "snapshot_bytes_total": z.snapshot_bytes,
             "snapshot_bytes_used": self.snapshots.ids.num_used * state,
+            "verify_bytes_total": z.verify_bytes,
         }

@@ -20,7 +20,8 @@ from hybridkv.models import ModelConfig, load_model, weights_nbytes
 
 TOL = 1e-4
 DATA = Path(__file__).parents[1] / "data"
-CACHE = CacheConfig(max_model_len=64, block_size=4, max_sequences=4, snapshot_interval=5)
+CACHE_FIELDS: dict[str, Any] = dict(max_model_len=64, block_size=4, max_sequences=4, snapshot_interval=5)
+CACHE = CacheConfig(**CACHE_FIELDS)
 
 # name: (make the transformers model, is the MTP layer MoE, fused MTP experts)
 LAYOUTS: dict[str, tuple[Any, bool, bool]] = {
@@ -157,3 +158,23 @@ def test_a_restored_snapshot_brings_its_hidden_carry(checkpoints: Any) -> None:
         got = cm.draft_mtp_logits({s: ids[length]}, 3)[s]
         assert max_rel_err(got, twin_draft(tensors, hf, moe, ids[:length], ids[length], 3)) <= TOL
         cm.cache.check_integrity()
+
+
+def test_after_a_verify_the_accepted_row_brings_its_hidden_carry(checkpoints: Any) -> None:
+    """A verify forward feeds [token, drafts...]; accepting a prefix loads the hidden state of the
+    last kept position from its verify row, and the MTP K/V past it is dropped with the rest."""
+    hf, path, tensors, moe = checkpoints("qwen3_next")
+    cm = CachedModel.load(path, cache=CacheConfig(**{**CACHE_FIELDS, "verify_rows": 6}), mtp=True)
+    ids, wrong = tokens(12, seed=8), tokens(4, seed=9)
+    seq = cm.new_sequence()
+    cm.feed({seq: ids[:6]})
+    cm.feed({seq: [ids[6], ids[7], *wrong]}, verify=[seq])
+    with pytest.raises(ValueError, match="accept"):
+        cm.draft_mtp({seq: 1}, 2)
+    cm.accept(seq, 8)  # ids[6] and the draft ids[7] kept, the wrong drafts rejected
+    cm.cache.check_integrity()
+    got = cm.draft_mtp_logits({seq: ids[8]}, 3)[seq]
+    assert max_rel_err(got, twin_draft(tensors, hf, moe, ids[:8], ids[8], 3)) <= TOL
+    cm.feed({seq: ids[8:11]})  # the MTP K/V of the rejected slots is rewritten
+    got = cm.draft_mtp_logits({seq: ids[11]}, 3)[seq]
+    assert max_rel_err(got, twin_draft(tensors, hf, moe, ids[:11], ids[11], 3)) <= TOL
