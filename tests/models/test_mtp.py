@@ -178,3 +178,19 @@ def test_after_a_verify_the_accepted_row_brings_its_hidden_carry(checkpoints: An
     cm.feed({seq: ids[8:11]})  # the MTP K/V of the rejected slots is rewritten
     got = cm.draft_mtp_logits({seq: ids[11]}, 3)[seq]
     assert max_rel_err(got, twin_draft(tensors, hf, moe, ids[:11], ids[11], 3)) <= TOL
+
+
+def test_bfloat16_weights_draft_within_bfloat16_error(checkpoints: Any) -> None:
+    """bf16 compute with float32 carry: drafts stay within the parity tests' bf16 bounds of the
+    float32 twin, through a prefill, a decode step and a snapshot restore."""
+    hf, path, tensors, moe = checkpoints("qwen3_next")
+    cm = CachedModel.load(path, dtype=torch.bfloat16, cache=CACHE, mtp=True)
+    ids = tokens(13, seed=10)
+    seq = cm.new_sequence()
+    cm.feed({seq: ids[:11]})
+    cm.feed({seq: ids[11:12]})
+    cm.truncate(seq, 10)
+    got = cm.draft_mtp_logits({seq: ids[10]}, 2)[seq]
+    want = twin_draft(tensors, hf, moe, ids[:10], ids[10], 2)
+    scale = want.abs().max()
+    assert (got - want).abs().mean() <= 2e-2 * scale and (got - want).abs().max() <= 1e-1 * scale
