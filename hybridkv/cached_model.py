@@ -14,6 +14,7 @@ from hybridkv.cache.config import CacheConfig, CacheSpec, PoolSizes
 from hybridkv.cache.hybrid import HybridCache
 from hybridkv.errors import NotSupported
 from hybridkv.models import ModelConfig, Qwen3NextModel, load_model, read_checkpoint, weights_nbytes
+from hybridkv.models.mtp import MTPHidden
 from hybridkv.models.sources import ResolvedModel, resolve_model
 from hybridkv.models.weights import check_memory_fit
 from hybridkv.ops import native
@@ -22,9 +23,11 @@ LogitsMode = Literal["all", "last", "none"]
 _DTYPES = {torch.float32, torch.bfloat16}
 
 
-def cache_spec(config: ModelConfig, dtype: torch.dtype) -> CacheSpec:
+def cache_spec(config: ModelConfig, dtype: torch.dtype, mtp: bool = False) -> CacheSpec:
+    """What the cache holds for `config`; with `mtp`, the MTP layer's K/V as one more attention
+    layer (the last) and the hidden carry in every state slot and snapshot (`models.mtp`)."""
     return CacheSpec(
-        num_attention_layers=len(config.attention_layers),
+        num_attention_layers=len(config.attention_layers) + int(mtp),
         num_kv_heads=config.num_key_value_heads,
         head_dim=config.head_dim,
         kv_dtype=dtype,
@@ -34,6 +37,7 @@ def cache_spec(config: ModelConfig, dtype: torch.dtype) -> CacheSpec:
         num_value_heads=config.linear_num_value_heads,
         key_head_dim=config.linear_key_head_dim,
         value_head_dim=config.linear_value_head_dim,
+        hidden_carry_dim=config.hidden_size if mtp else 0,
     )
 
 
@@ -49,7 +53,7 @@ class CachedModel:
         self.model = model
         self.config = config
         self.dtype = dtype
-        self.cache = HybridCache(cache_spec(config, dtype), cache)
+        self.cache = HybridCache(cache_spec(config, dtype, mtp=model.mtp is not None), cache)
         self._tokens: dict[int, list[int]] = {}
         self._counters: Counter[str] = Counter()
 
@@ -60,13 +64,17 @@ class CachedModel:
         dtype: torch.dtype = torch.float32,
         cache: CacheConfig | None = None,
         quantize: str | None = None,
+        mtp: bool = False,
+        mtp_hidden: MTPHidden = "post_norm",
     ) -> CachedModel:
         """Load a model with a cache: a checkpoint directory, a .gguf file, an ollama name or a
         Hugging Face repo id (`resolve_model`; default: the embedded default model).
 
         The pool sizes and the RAM they need with the weights are checked before loading.
         `quantize` ('q8_0') quantizes the weights into GGUF blocks after loading (`models.quantize`;
-        the check counts the float weights, which are held until each is quantized).
+        the check counts the float weights, which are held until each is quantized). `mtp` loads
+        the checkpoint's multi-token-prediction block for `draft_mtp`, fed the main model's hidden
+        state after its final norm or before it (`mtp_hidden`); NotSupported when there is none.
         """
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
@@ -78,9 +86,9 @@ class CachedModel:
         cache = cache or CacheConfig()
         model_dir = source.path  # a checkpoint directory, or the (first) GGUF file
         config, _ = read_checkpoint(model_dir)
-        sizes = PoolSizes.plan(cache_spec(config, dtype), cache)
-        check_memory_fit(weights_nbytes(model_dir, dtype), sizes.total_bytes)
-        loaded = load_model(model_dir, dtype, quantize=quantize)
+        sizes = PoolSizes.plan(cache_spec(config, dtype, mtp), cache)
+        check_memory_fit(weights_nbytes(model_dir, dtype, mtp=mtp), sizes.total_bytes)
+        loaded = load_model(model_dir, dtype, quantize=quantize, mtp=mtp_hidden if mtp else None)
         native.enabled()  # the C++ kernels built (first time on this machine, ~10 s) or loaded now, not mid-request
         return cls(loaded, loaded.config, cache, dtype)
 
@@ -212,6 +220,36 @@ class CachedModel:
             result[seq] = out[at : at + len(r)]
             at += len(r)
         return result
+
+    # -- drafting -----------------------------------------------------------------------------
+
+    def draft_mtp(self, pending: Mapping[int, int], k: int) -> dict[int, list[int]]:
+        """Greedy MTP drafts: sequence -> its next token (sampled, not yet fed) gives the k tokens
+        the MTP block predicts after it. Reads the cache and changes nothing (see `draft_mtp_logits`)."""
+        return {seq: rows.argmax(-1).tolist() for seq, rows in self.draft_mtp_logits(pending, k).items()}
+
+    def draft_mtp_logits(self, pending: Mapping[int, int], k: int) -> dict[int, torch.Tensor]:
+        """The MTP block's logits [k, V] float32 per sequence: row s scores draft s + 1, where
+        draft 1 follows the pending token and each later step feeds back the argmax of the one
+        before. One batched pass per step over all sequences; nothing in the cache changes.
+        Raises ValueError for bad input, NotSupported when the model was loaded without MTP."""
+        mtp = self.model.mtp
+        if mtp is None:
+            raise NotSupported("draft_mtp needs the MTP block: load with CachedModel.load(..., mtp=True)")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"k (tokens to draft) must be an int >= 1, got {k!r}")
+        if not pending:
+            raise ValueError("draft_mtp needs at least one sequence")
+        tokens = [self._validate_ids(seq, [token])[0] for seq, token in pending.items()]
+        for seq in pending:
+            if not self._tokens[seq]:
+                raise ValueError(f"sequence {seq} is empty: MTP drafts follow a fed token")
+        view = self.cache.view(list(pending))
+        with torch.inference_mode():
+            ids = torch.tensor(tokens, dtype=torch.int64)
+            m = self.model
+            logits = mtp.draft(ids, view, k, m.embed_tokens, m.rope, m.head)
+        return dict(zip(pending, logits, strict=True))
 
     # -- fork / truncate ----------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from hf_reference import hf_logits, make_hf_model, max_rel_err, save_checkpoint
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from mtp_reference import add_mtp, mtp_tensors, twin_draft
 from qwen35_reference import make_qwen35, qwen35_logits, save_qwen35
 from safetensors.torch import save_file
 
@@ -42,14 +43,25 @@ def reference(family: str) -> tuple[Any, Path, Any]:
     if family == "qwen3_next":
         model = make_hf_model(seed=11, full_attention_interval=2)
         return model, save_checkpoint(model, path), hf_logits
+    if family == "qwen3_next_mtp":
+        model, _, _ = reference("qwen3_next")
+        return model, add_mtp(save_checkpoint(model, path), mtp_reference()), hf_logits
     # released style: vision-language wrapper, visual and mtp tensors, 2 shards; Hv = 3·Hk, dk != dv
     odd = dict(linear_num_value_heads=6, linear_key_head_dim=8, linear_value_head_dim=16, linear_conv_kernel_dim=3)
     model = make_qwen35(moe=family == "qwen3_5_moe", seed=11, full_attention_interval=2, **odd)
     return model, save_qwen35(model, path, shards=2), qwen35_logits
 
 
+@functools.cache
+def mtp_reference() -> dict[str, torch.Tensor]:
+    """The `mtp.*` tensors of the qwen3_next_mtp family (the twin computes from them)."""
+    hf, _, _ = reference("qwen3_next")
+    return mtp_tensors(hf.config, seed=12, moe=True)
+
+
 class CachePrograms(RuleBasedStateMachine):
     family = "qwen3_next"
+    mtp = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -62,12 +74,15 @@ class CachePrograms(RuleBasedStateMachine):
             max_sequences=4,
             verify_rows=6,
         )
-        self.cm = CachedModel.load(checkpoint, cache=config)
+        self.cm = CachedModel.load(checkpoint, cache=config, mtp=self.mtp)
         self.expected: dict[int, list[int]] = {}
 
     def check(self, seq: int, rows: torch.Tensor) -> None:
         want = self.logits_fn(self.hf, self.expected[seq])[-len(rows) :]
         assert max_rel_err(rows, want) <= 1e-4
+
+    def changed(self, seq: int, data: st.DataObject) -> None:
+        """Called after an operation changed `seq`: variants check more here."""
 
     @precondition(lambda self: len(self.expected) < 4)
     @rule()
@@ -92,6 +107,7 @@ class CachePrograms(RuleBasedStateMachine):
         for seq, ids in batch.items():
             self.expected[seq] += ids
             self.check(seq, out[seq])
+            self.changed(seq, data)
 
     @precondition(lambda self: self.expected)
     @rule(data=st.data(), n=st.integers(2, 4), keep=st.integers(1, 4))
@@ -111,6 +127,7 @@ class CachePrograms(RuleBasedStateMachine):
         self.cm.accept(seq, len(self.expected[seq]) + keep)
         self.expected[seq] += ids[:keep]
         self.check(seq, out[seq][:keep])
+        self.changed(seq, data)
 
     @precondition(lambda self: self.expected and len(self.expected) < 4)
     @rule(data=st.data())
@@ -122,6 +139,8 @@ class CachePrograms(RuleBasedStateMachine):
         except CacheFull:
             return
         self.expected[child] = self.expected[src][:length]
+        self.changed(child, data)
+        self.changed(src, data)  # its shared blocks and slot are untouched
 
     @precondition(lambda self: self.expected)
     @rule(data=st.data())
@@ -138,6 +157,7 @@ class CachePrograms(RuleBasedStateMachine):
         assert resumable == (keep == p)
         assert self.cm.stats()["tokens_recomputed"] - before == p - keep
         self.expected[seq] = self.expected[seq][:p]
+        self.changed(seq, data)
 
     @precondition(lambda self: self.expected)
     @rule(data=st.data(), where=st.integers(0, 2))
@@ -178,6 +198,22 @@ def _settings(examples: int) -> settings:
     )
 
 
+class MTPPrograms(CachePrograms):
+    """With the MTP block loaded: after every change (a fork at a length is a prefix reuse from a
+    snapshot) the sequence's MTP drafts equal a fresh no-cache twin's over the same tokens, so
+    its MTP K/V and hidden carry are right wherever they came from."""
+
+    family = "qwen3_next_mtp"
+    mtp = True
+
+    def changed(self, seq: int, data: st.DataObject) -> None:
+        ids = self.expected[seq]
+        if ids:
+            pending = data.draw(st.integers(0, VOCAB - 1))
+            got = self.cm.draft_mtp_logits({seq: pending}, 2)[seq]
+            assert max_rel_err(got, twin_draft(mtp_reference(), self.hf, True, ids, pending, 2)) <= 1e-4
+
+
 class Qwen35DensePrograms(CachePrograms):
     family = "qwen3_5"
 
@@ -209,6 +245,8 @@ Qwen35MoePrograms.TestCase.settings = _settings(8)
 TestQwen35DensePrograms = Qwen35DensePrograms.TestCase
 TestQwen35MoePrograms = Qwen35MoePrograms.TestCase
 GGUFPrograms.TestCase.settings = _settings(6)
+MTPPrograms.TestCase.settings = _settings(5)
+TestMTPPrograms = MTPPrograms.TestCase
 TestGGUFPrograms = GGUFPrograms.TestCase
 
 

@@ -23,6 +23,9 @@ HELDOUT = Path(__file__).parent / "data" / "default_model_heldout.txt"
 # As scripts/train_default_model.py measures it: the first EVAL_TOKENS held-out tokens in windows
 # of SEQ_LEN, each a fresh sequence, every token but a window's first predicted.
 SEQ_LEN, EVAL_TOKENS = 256, 16384
+# The shipped MTP block's first draft equals the next greedy token in about three steps of four
+# (scripts/train_mtp.py measures 0.746 on 16 prompts); the floor leaves room for near ties.
+MTP_FIRST_DRAFT_FLOOR = 0.6
 F32_TOL = 1e-4  # max |ours - transformers| as a share of max |logit|, as in tests/models/test_parity.py
 
 
@@ -79,7 +82,32 @@ def test_tensor_names_and_shapes_are_what_transformers_saves(tmp_path: Path) -> 
         with safe_open(str(path), "pt") as f:
             return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
 
-    assert shapes(default_model_dir() / "model.safetensors") == shapes(tmp_path / "model.safetensors")
+    ours = shapes(default_model_dir() / "model.safetensors")
+    main = {name: shape for name, shape in ours.items() if not name.startswith("mtp.")}
+    assert main == shapes(tmp_path / "model.safetensors")  # transformers reads no MTP block: ours is extra
+    D = config.hidden_size
+    assert ours["mtp.fc.weight"] == (D, 2 * D) and ours["mtp.layers.0.self_attn.o_proj.weight"] == (D, 256)
+    mtp_bytes = sum(4 * math.prod(shape) for name, shape in ours.items() if name.startswith("mtp."))
+    assert mtp_bytes <= 3.5e6
+
+
+def test_the_trained_mtp_block_drafts_what_greedy_decoding_then_says(heldout_ids: list[int]) -> None:
+    """Greedy decoding from held-out prompts; before each step the MTP block drafts the token
+    after the pending one. A random guess is right 1 time in 4,096."""
+    prompts = [heldout_ids[i * SEQ_LEN : i * SEQ_LEN + 64] for i in range(8)]
+    cm = CachedModel.load(cache=CacheConfig(max_model_len=128, max_sequences=8), mtp=True)
+    seqs = [cm.new_sequence() for _ in prompts]
+    last = cm.feed(dict(zip(seqs, prompts, strict=True)), logits="last")
+    pending = {seq: int(last[seq][-1].argmax()) for seq in seqs}
+    hits = steps = 0
+    for _ in range(32):
+        drafts = cm.draft_mtp(pending, 1)
+        last = cm.feed({seq: [token] for seq, token in pending.items()}, logits="last")
+        pending = {seq: int(last[seq][-1].argmax()) for seq in seqs}
+        hits += sum(drafts[seq][0] == pending[seq] for seq in seqs)
+        steps += len(seqs)
+    cm.cache.check_integrity()
+    assert hits / steps >= MTP_FIRST_DRAFT_FLOOR, f"first drafts accepted {hits}/{steps}"
 
 
 def test_the_shipped_files_fit_in_25_mb() -> None:

@@ -31,6 +31,9 @@ class CacheTensors:
     delta[j]:           [num_slots, Hv, dk, dv]             float32
     snap_conv[j]:       [num_snapshots, C, K-1]             float32
     snap_delta[j]:      [num_snapshots, Hv, dk, dv]         float32
+    hidden, snap_hidden: [num_slots | num_snapshots, D]      float32, one tensor each when the model
+                        drafts with its MTP block (the hidden carry, `CacheSpec.hidden_carry_dim`),
+                        else empty
     """
 
     key: list[torch.Tensor]
@@ -39,6 +42,15 @@ class CacheTensors:
     delta: list[torch.Tensor]
     snap_conv: list[torch.Tensor]
     snap_delta: list[torch.Tensor]
+    hidden: list[torch.Tensor] = field(default_factory=list)
+    snap_hidden: list[torch.Tensor] = field(default_factory=list)
+
+    def live_states(self) -> list[torch.Tensor]:
+        """Every per-slot state pool, in the order `snapshot_states` pairs them."""
+        return [*self.conv, *self.delta, *self.hidden]
+
+    def snapshot_states(self) -> list[torch.Tensor]:
+        return [*self.snap_conv, *self.snap_delta, *self.snap_hidden]
 
 
 @dataclass(slots=True)
@@ -122,3 +134,44 @@ class ForwardBatch:
         if self.snapshot_ids.numel():
             t.snap_conv[layer].index_copy_(0, self.snapshot_ids, _f32(conv_snapshots))
             t.snap_delta[layer].index_copy_(0, self.snapshot_ids, _f32(delta_snapshots))
+
+    # -- the MTP hidden carry -----------------------------------------------------------------
+
+    def hidden_carry(self) -> torch.Tensor:
+        """The carried hidden state `[N, D]` float32 of each sequence: the main model's hidden after
+        its last cached token (zeros for an empty sequence)."""
+        return self.tensors.hidden[0].index_select(0, self.state_slots)
+
+    def store_hidden_carry(self, hidden: torch.Tensor) -> None:
+        """Keep this forward's hidden rows `[T, D]`: the last row of each sequence as its carry, and
+        the rows at `snapshot_at` in the snapshots beside the recurrent states."""
+        t = self.tensors
+        last = self.cu_seqlens[1:] - 1
+        t.hidden[0].index_copy_(0, self.state_slots, _f32(hidden.index_select(0, last)))
+        if self.snapshot_ids.numel():
+            t.snap_hidden[0].index_copy_(0, self.snapshot_ids, _f32(hidden.index_select(0, self.snapshot_at)))
+
+
+@dataclass(slots=True)
+class CacheView:
+    """Where some sequences' cached K/V and live states are, for a pass that reads the cache and
+    writes nothing (MTP drafting); valid only until the next cache operation.
+
+    seq_ids:        the sequences, in row order
+    block_tables:   [N, max_blocks] int64, block ids covering positions 0..kv_lens-1 (padded with 0)
+    kv_lens:        [N] int64, each sequence's length
+    state_slots:    [N] int64, each sequence's live state slot
+    """
+
+    seq_ids: tuple[int, ...]
+    block_tables: torch.Tensor
+    kv_lens: torch.Tensor
+    state_slots: torch.Tensor
+    tensors: CacheTensors
+
+    def kv_pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.tensors.key[layer], self.tensors.value[layer]
+
+    def hidden_carry(self) -> torch.Tensor:
+        """`[N, D]` float32: see `ForwardBatch.hidden_carry`."""
+        return self.tensors.hidden[0].index_select(0, self.state_slots)

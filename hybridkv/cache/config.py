@@ -73,6 +73,14 @@ class CacheSpec:
     num_value_heads: int  # Hv
     key_head_dim: int  # dk
     value_head_dim: int  # dv
+    # D when the model drafts with its MTP block: the main model's last hidden state is carried per
+    # sequence (live slots and snapshots) so the MTP layer can pair it with the next token.
+    hidden_carry_dim: int = 0
+
+    @property
+    def has_state(self) -> bool:
+        """Whether sequences hold a state slot (recurrent layers, or the MTP hidden carry)."""
+        return self.num_linear_layers > 0 or self.hidden_carry_dim > 0
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -81,10 +89,11 @@ class CacheSpec:
 
     @property
     def state_bytes_per_sequence(self) -> int:
-        """One slot or one snapshot: conv `[C, K-1]` + delta `[Hv, dk, dv]` float32 per linear layer."""
+        """One slot or one snapshot: conv `[C, K-1]` + delta `[Hv, dk, dv]` float32 per linear layer,
+        plus the hidden carry `[D]` float32 when there is one."""
         per_layer = self.conv_channels * (self.conv_kernel - 1)
         per_layer += self.num_value_heads * self.key_head_dim * self.value_head_dim
-        return self.num_linear_layers * per_layer * 4
+        return (self.num_linear_layers * per_layer + self.hidden_carry_dim) * 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +152,6 @@ class PoolSizes:
             kv_bytes=num_blocks * block_bytes,
             state_bytes=num_slots * slot_bytes,
             snapshot_bytes=num_snapshots * slot_bytes,
-            num_verify_rows=config.verify_rows if spec.num_linear_layers else 0,
+            num_verify_rows=config.verify_rows if spec.has_state else 0,
             verify_bytes=config.verify_rows * slot_bytes,
         )

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from hybridkv.cache.batch import CacheTensors, ForwardBatch
+from hybridkv.cache.batch import CacheTensors, CacheView, ForwardBatch
 from hybridkv.cache.config import CacheConfig, CacheSpec, PoolSizes
 from hybridkv.cache.refpool import RefPool
 from hybridkv.cache.snapshots import SnapshotPool, SnapshotRing
@@ -84,9 +84,13 @@ class HybridCache:
             ]
             return conv, delta
 
+        def carry(rows: int) -> list[torch.Tensor]:
+            return [torch.zeros(rows, s.hidden_carry_dim, dtype=f32, device=device)] if s.hidden_carry_dim else []
+
         conv, delta = states(z.num_slots)
-        snap_conv, snap_delta = states(z.num_snapshots + z.num_verify_rows)  # verify rows last
-        return CacheTensors(kv(), kv(), conv, delta, snap_conv, snap_delta)
+        snap_rows = z.num_snapshots + z.num_verify_rows  # verify rows last
+        snap_conv, snap_delta = states(snap_rows)
+        return CacheTensors(kv(), kv(), conv, delta, snap_conv, snap_delta, carry(z.num_slots), carry(snap_rows))
 
     # -- sequences ----------------------------------------------------------------------------
 
@@ -146,7 +150,7 @@ class HybridCache:
             raise ValueError(f"verify names sequence {min(stray)!r}, which is not in the batch")
         bs = self.config.block_size
         need_blocks = need_slots = 0
-        if self.spec.num_linear_layers:
+        if self.spec.has_state:
             need_rows = sum(batch[seq] - 1 for seq in verifying)
             held = sum(len(v.rows) for seq in batch if (v := self._get(seq).verify) is not None)
             if need_rows > self.verify_rows.num_free + held:
@@ -167,7 +171,7 @@ class HybridCache:
             need_blocks += math.ceil((s.length + n) / bs) - len(s.block_table)
             if s.length % bs and self.blocks.refcount(s.block_table[-1]) > 1:
                 need_blocks += 1
-            if self.spec.num_linear_layers and (s.slot is None or self.slots.refcount(s.slot) > 1):
+            if self.spec.has_state and (s.slot is None or self.slots.refcount(s.slot) > 1):
                 need_slots += 1
         if need_blocks > self.blocks.num_free:
             raise CacheFull(f"KV cache full: this batch needs {need_blocks} blocks, {self.blocks.num_free} free")
@@ -191,7 +195,7 @@ class HybridCache:
             self._make_last_block_private(s)
             while len(s.block_table) < math.ceil((s.length + n) / bs):
                 s.block_table.append(self.blocks.alloc())
-            if self.spec.num_linear_layers:
+            if self.spec.has_state:
                 self._make_slot_private(s)
             first, end = s.length, s.length + n
             positions.extend(range(first, end))
@@ -200,7 +204,7 @@ class HybridCache:
                 slot_mapping.extend(range(row0 + max(first - b * bs, 0), row0 + min(end - b * bs, bs)))
             tables.append(s.block_table)
             if seq in verifying:
-                rows = [self.verify_rows.alloc() for _ in range(n - 1)] if self.spec.num_linear_layers else []
+                rows = [self.verify_rows.alloc() for _ in range(n - 1)] if self.spec.has_state else []
                 s.verify = _Verify(s.length, rows)
                 snapshot_at.extend(range(offset, offset + len(rows)))
                 snapshot_ids.extend(self.sizes.num_snapshots + row for row in rows)
@@ -271,6 +275,31 @@ class HybridCache:
         pending, self._pending = self._pending, None
         return pending
 
+    def view(self, seqs: Sequence[int]) -> CacheView:
+        """Where `seqs`' K/V and live states are, for a read-only pass (MTP drafting): every
+        sequence must hold at least one token and a usable live state."""
+        if self._pending is not None:
+            raise RuntimeError("a forward is in progress: call end_forward first")
+        if not seqs:
+            raise ValueError("view needs at least one sequence")
+        for seq in seqs:
+            s = self._get(seq)
+            if not s.length:
+                raise ValueError(f"sequence {seq} is empty: feed at least one token first")
+            if not s.live_valid:
+                raise ValueError(f"sequence {seq}: its last forward failed; truncate it first")
+            if s.verify is not None:
+                raise ValueError(f"sequence {seq}: accept its verify forward first")
+        found = [self._seqs[seq] for seq in seqs]
+        width = max(len(s.block_table) for s in found)
+        return CacheView(
+            seq_ids=tuple(seqs),
+            block_tables=torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in found]),
+            kv_lens=torch.tensor([s.length for s in found]),
+            state_slots=torch.tensor([s.slot if s.slot is not None else 0 for s in found]),
+            tensors=self.tensors,
+        )
+
     # -- speculative verification -------------------------------------------------------------
 
     def accept(self, seq: int, length: int) -> None:
@@ -309,7 +338,7 @@ class HybridCache:
 
     def _copy_state(self, source: tuple[str, int], dest: int, to_snapshot: bool) -> None:
         t = self.tensors
-        for live, snap in zip((*t.conv, *t.delta), (*t.snap_conv, *t.snap_delta), strict=True):
+        for live, snap in zip(t.live_states(), t.snapshot_states(), strict=True):
             src = (snap if source[0] == "snap" else live)[source[1]]
             (snap if to_snapshot else live)[dest].copy_(src)
 
@@ -355,7 +384,7 @@ class HybridCache:
             child.slot = s.slot
             if s.slot is not None:
                 self.slots.incref(s.slot)
-        elif length > 0 and self.spec.num_linear_layers:
+        elif length > 0 and self.spec.has_state:
             child.slot = self.slots.alloc()
             self._load_slot(child.slot, best[1] if best else None)
         return child_id, keep
@@ -382,7 +411,7 @@ class HybridCache:
             s.ring.prune_after(best[0])
         else:
             s.ring.reset()
-        if self.spec.num_linear_layers and s.slot is not None:
+        if self.spec.has_state and s.slot is not None:
             if p == 0:
                 self.slots.decref(s.slot)
                 s.slot = None
@@ -430,7 +459,7 @@ class HybridCache:
             needed += 1
         if needed > self.blocks.num_free + freed:
             raise CacheFull(f"KV cache full: re-feeding {p - keep} tokens needs {needed} blocks")
-        if need_slot and self.spec.num_linear_layers and self.slots.num_free < 1:
+        if need_slot and self.spec.has_state and self.slots.num_free < 1:
             raise CacheFull("state slots full: restoring a snapshot needs a free slot")
 
     def _cut_blocks(self, s: _Sequence, keep: int) -> None:
@@ -455,7 +484,7 @@ class HybridCache:
         if s.slot is not None and self.slots.refcount(s.slot) == 1:
             return
         new = self.slots.alloc()
-        for pool in (*self.tensors.conv, *self.tensors.delta):
+        for pool in self.tensors.live_states():
             if s.slot is None:
                 pool[new].zero_()
             else:
@@ -467,7 +496,7 @@ class HybridCache:
     def _load_slot(self, slot: int, snap: int | None) -> None:
         """Fill `slot` with snapshot `snap`, or zeros (the state before any token)."""
         t = self.tensors
-        for live, saved in zip((*t.conv, *t.delta), (*t.snap_conv, *t.snap_delta), strict=True):
+        for live, saved in zip(t.live_states(), t.snapshot_states(), strict=True):
             if snap is None:
                 live[slot].zero_()
             else:
@@ -494,7 +523,7 @@ class HybridCache:
                 block_refs[block] = block_refs.get(block, 0) + 1
             if s.slot is not None:
                 slot_refs[s.slot] = slot_refs.get(s.slot, 0) + 1
-            elif s.length and self.spec.num_linear_layers:
+            elif s.length and self.spec.has_state:
                 raise IntegrityError(f"sequence {seq} holds {s.length} tokens but no state slot")
             if len(s.ring.entries) > s.ring.capacity:
                 raise IntegrityError(f"sequence {seq}: ring over capacity")

@@ -143,6 +143,8 @@ class ModelConfig:
     norm_topk_prob: bool
     decoder_sparse_step: int
     mlp_only_layers: tuple[int, ...] = ()
+    # multi-token-prediction layers the checkpoint ships under `mtp.*` (loaded only on request)
+    mtp_num_hidden_layers: int = 0
     family: Family = "qwen3_next"
     source: str = field(default="<dict>", compare=False, repr=False)
 
@@ -179,7 +181,7 @@ class ModelConfig:
                 f"hybridkv runs {', '.join(kind.architectures)}"
             )
         _refuse_quantization(raw, source)
-        defaults, fixed = _DEFAULTS, {}
+        defaults, fixed, outer = _DEFAULTS, {}, raw
         if kind.family == "qwen3_5":
             defaults = _QWEN3_5_MOE_DEFAULTS if kind.moe else _QWEN3_5_DEFAULTS
             fixed = {**_QWEN3_5_FIXED, **({} if kind.moe else {"num_experts": 0})}
@@ -228,6 +230,7 @@ class ModelConfig:
             norm_topk_prob=bool(get("norm_topk_prob")),
             decoder_sparse_step=int(get("decoder_sparse_step")),
             mlp_only_layers=tuple(int(i) for i in get("mlp_only_layers") or ()),
+            mtp_num_hidden_layers=_mtp_layers(raw) or _mtp_layers(outer),
             family=kind.family,
             source=source,
         )
@@ -251,6 +254,12 @@ class ModelConfig:
             i not in self.mlp_only_layers and self.num_experts > 0 and (i + 1) % self.decoder_sparse_step == 0
             for i in range(self.num_hidden_layers)
         )
+
+    @property
+    def mtp_is_moe(self) -> bool:
+        """The MTP decoder layer's feed-forward: sparse MoE as the family's (layer index num_hidden_layers)."""
+        i = self.num_hidden_layers
+        return i not in self.mlp_only_layers and self.num_experts > 0 and (i + 1) % self.decoder_sparse_step == 0
 
     @property
     def value_heads_per_key_head(self) -> int:
@@ -327,6 +336,14 @@ class ModelConfig:
                 raise ValueError(f"{where} moe_intermediate_size and shared_expert_intermediate_size must be > 0")
         if not all(self.moe_layers) and self.intermediate_size <= 0:
             raise ValueError(f"{where} intermediate_size must be > 0: some layers use the dense MLP")
+
+
+def _mtp_layers(raw: Mapping[str, Any]) -> int:
+    """Qwen3.5 names it `mtp_num_hidden_layers`, Qwen3-Next `num_nextn_predict_layers`."""
+    for key in ("mtp_num_hidden_layers", "num_nextn_predict_layers"):
+        if raw.get(key) is not None:
+            return int(raw[key])
+    return 0
 
 
 def _refuse_quantization(raw: Mapping[str, Any], source: str) -> None:

@@ -22,6 +22,7 @@ decode, `native.gdn_forward`), and so does an attention layer's decode step (`na
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,9 @@ from hybridkv.ops.matmul import FEW_ROWS, Weight, linear, mm_t, swiglu
 from hybridkv.ops.moe import Experts, moe_block
 from hybridkv.ops.quant.linear import QuantExperts, QuantLinear, block_matmul
 from hybridkv.ops.quant.weight import QuantizedWeight
+
+if TYPE_CHECKING:
+    from hybridkv.models.mtp import MTPBlock, MTPHidden
 
 
 def _weight(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -151,21 +155,33 @@ class GatedAttention(nn.Module):
         self.o_proj: Weight = _weight(self.H * self.hd, c.hidden_size, dtype=dtype)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        T, H, Hkv, hd = x.shape[0], self.H, self.Hkv, self.hd
         qkv = linear(x, self.qkv_proj)
         if batch.is_decode and native.enabled(qkv, self.q_norm.weight, self.k_norm.weight):
             o = native.attention_decode(
                 qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin, batch.kv_pools(self.index),
-                batch.slot_mapping, batch.block_tables, batch.kv_lens, self.scale, H,
+                batch.slot_mapping, batch.block_tables, batch.kv_lens, self.scale, self.H,
             )  # fmt: skip
             return linear(o.to(x.dtype), self.o_proj)
+        q, gate, k, v = self.split_heads(qkv, cos, sin)
+        batch.store_kv(self.index, k, v)
+        k_pool, v_pool = batch.kv_pools(self.index)
+        o = paged_attention(q, k_pool, v_pool, batch.block_tables, batch.cu_seqlens, batch.kv_lens, self.scale)
+        return self.output(o, gate)
+
+    def split_heads(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv_proj's output [T, ...] → q [T, H, hd] and k [T, Hkv, hd] normed and rotated, the
+        gate [T, H·hd], v [T, Hkv, hd]."""
+        T, H, Hkv, hd = qkv.shape[0], self.H, self.Hkv, self.hd
         q, gate, k, v = qkv.split([H * hd, H * hd, Hkv * hd, Hkv * hd], dim=-1)
         q = _rope(self.q_norm(q.reshape(T, H, hd)), cos, sin)
         k = _rope(self.k_norm(k.reshape(T, Hkv, hd)), cos, sin)
-        batch.store_kv(self.index, k, v.reshape(T, Hkv, hd))
-        k_pool, v_pool = batch.kv_pools(self.index)
-        o = paged_attention(q, k_pool, v_pool, batch.block_tables, batch.cu_seqlens, batch.kv_lens, self.scale)
-        return linear(o.reshape(T, H * hd) * torch.sigmoid(gate), self.o_proj)
+        return q, gate, k, v.reshape(T, Hkv, hd)
+
+    def output(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """Attention output o [T, H, hd] gated by sigmoid(gate) and projected: [T, D]."""
+        return linear(o.reshape(o.shape[0], -1).to(gate.dtype) * torch.sigmoid(gate), self.o_proj)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -235,7 +251,7 @@ class Qwen3NextModel(nn.Module):
     It never allocates cache memory: K/V and recurrent states live in the batch's pools.
     """
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, mtp: MTPHidden | None = None) -> None:
         super().__init__()
         if dtype not in COMPUTE_DTYPES:
             raise ValueError(f"compute dtype {dtype} not supported; use torch.float32 or torch.bfloat16")
@@ -251,6 +267,13 @@ class Qwen3NextModel(nn.Module):
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float) / rd))
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # The MTP block (`mtp`: which hidden state feeds it), when loaded for drafting: every forward
+        # then also writes its K/V and the hidden carry (see `models.mtp`).
+        self.mtp: MTPBlock | None = None
+        if mtp is not None:
+            from hybridkv.models.mtp import MTPBlock  # the block is built from this module's layers
+
+            self.mtp = MTPBlock(config, dtype, mtp)
 
     def forward(
         self, input_ids: torch.Tensor, batch: ForwardBatch, logits_indices: torch.Tensor | None = None
@@ -262,19 +285,35 @@ class Qwen3NextModel(nn.Module):
         """
         if input_ids.shape != (batch.num_tokens,):
             raise ValueError(f"input_ids has shape {list(input_ids.shape)}, the batch has {batch.num_tokens} tokens")
-        x = _embedding(input_ids, self.embed, self.dtype)
+        x = embeds = self.embed_tokens(input_ids)
         if batch.is_decode and x.dtype != torch.float32 and batch.num_tokens <= FEW_ROWS and native.enabled(x):
             # A decode step runs on the C++ kernels, which compute in float32 whatever the weights:
             # keep the activations float32 rather than cast them down and back up around every call.
             x = x.float()
-        freqs = batch.positions[:, None].float() * self.inv_freq
-        emb = torch.cat([freqs, freqs], dim=-1)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos, sin = self.rope(batch.positions, x.dtype)
         for layer in self.layers:
             x = layer(x, batch, cos, sin)
+        if self.mtp is not None:
+            normed = self.norm(x)
+            self.mtp.catch_up(embeds, normed if self.mtp.hidden == "post_norm" else x, batch, self.rope)
+            x = normed if logits_indices is None else normed.index_select(0, logits_indices)
+            return self.head(x)
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)
-        x = self.norm(x)
+        return self.head(self.norm(x))
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] → embeddings [T, D] in the compute dtype."""
+        return _embedding(input_ids, self.embed, self.dtype)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, rd] of positions [T], in `dtype`."""
+        freqs = positions[:, None].float() * self.inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden rows [T, D] → logits [T, V] float32."""
         # A tied head multiplies by the embedding [V, D] as stored: `mm_t` reads it once per step.
         if self.lm_head is not None:
             logits = linear(x, self.lm_head)

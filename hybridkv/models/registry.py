@@ -12,9 +12,11 @@ from pathlib import Path
 
 import torch
 
+from hybridkv.errors import NotSupported
 from hybridkv.models import gguf_blocks, qwen3_5, qwen3_next
 from hybridkv.models.config import ModelConfig
 from hybridkv.models.gguf_checkpoint import GGUFCheckpoint, GGUFTensors
+from hybridkv.models.mtp import MTPHidden, mtp_layout
 from hybridkv.models.quantize import quantize_model, quantize_type
 from hybridkv.models.qwen3_next import Qwen3NextModel
 from hybridkv.models.weights import Checkpoint, Layout, TensorSource, load_weights
@@ -60,13 +62,18 @@ def read_checkpoint(model_dir: str | Path, keep_tiled: bool = False) -> tuple[Mo
     return FAMILIES[config.family].for_checkpoint(config, checkpoint.names), checkpoint
 
 
-def weights_nbytes(model_dir: str | Path, dtype: torch.dtype, keep_blocks: bool = True) -> int:
+def weights_nbytes(model_dir: str | Path, dtype: torch.dtype, keep_blocks: bool = True, mtp: bool = False) -> int:
     """Bytes the weights a model loads from `model_dir` (a directory or a GGUF file) occupy once
-    loaded: cast to `dtype`, except a GGUF file's tensors kept in their blocks (`keep_blocks`)."""
+    loaded: cast to `dtype`, except a GGUF file's tensors kept in their blocks (`keep_blocks`);
+    with `mtp`, the multi-token-prediction block's tensors too."""
     config, checkpoint = read_checkpoint(model_dir)
     family = FAMILIES[config.family]
     itemsize = torch.empty((), dtype=dtype).element_size()
-    total = sum(checkpoint.numel(name) * itemsize for name in checkpoint.names if not family.is_ignored(config, name))
+
+    def loaded(name: str) -> bool:
+        return not family.is_ignored(config, name) or (mtp and name.startswith("mtp."))
+
+    total = sum(checkpoint.numel(name) * itemsize for name in checkpoint.names if loaded(name))
     if keep_blocks and isinstance(checkpoint, GGUFCheckpoint) and isinstance(checkpoint.source, GGUFTensors):
         tensors = checkpoint.source.file.tensors
         for pieces in gguf_blocks.block_layout(checkpoint.source, config).values():
@@ -77,19 +84,28 @@ def weights_nbytes(model_dir: str | Path, dtype: torch.dtype, keep_blocks: bool 
 
 
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype = torch.float32, keep_blocks: bool = True, quantize: str | None = None
+    model_dir: str | Path,
+    dtype: torch.dtype = torch.float32,
+    keep_blocks: bool = True,
+    quantize: str | None = None,
+    mtp: MTPHidden | None = None,
 ) -> Qwen3NextModel:
     """Build the model of a Hugging Face checkpoint directory or a GGUF file, weights cast to `dtype`.
 
     A GGUF file's projections stay in their blocks where the type has a kernel (`gguf_blocks`);
     `keep_blocks=False` dequantizes everything at load instead. `quantize` ('q8_0') quantizes the
-    float weights after loading (`models.quantize`).
+    float weights after loading (`models.quantize`). `mtp` also loads the checkpoint's
+    multi-token-prediction block, fed the hidden state it names (`models.mtp`).
     """
     type_id = quantize_type(quantize) if quantize is not None else None
     config, checkpoint = read_checkpoint(model_dir, keep_tiled=keep_blocks)
     family = FAMILIES[config.family]
-    model = family.model_class(config, dtype)
+    if mtp is not None:
+        check_mtp(config, checkpoint)
+    model = family.model_class(config, dtype, mtp)
     layout = family.checkpoint_layout(config, checkpoint.names)
+    if mtp is not None:
+        layout.update(mtp_layout(config, checkpoint.names))
     params: dict[str, torch.Tensor] = dict(model.named_parameters())
     held: set[str] = set()
     if keep_blocks and isinstance(checkpoint, GGUFCheckpoint) and isinstance(checkpoint.source, GGUFTensors):
@@ -104,3 +120,17 @@ def load_model(
     if type_id is not None:
         quantize_model(model, type_id)
     return model.eval()
+
+
+def check_mtp(config: ModelConfig, checkpoint: TensorSource) -> None:
+    """Raise NotSupported unless the checkpoint holds one MTP layer hybridkv can load."""
+    where = checkpoint.description
+    if isinstance(checkpoint, GGUFCheckpoint):
+        raise NotSupported(f"{where}: MTP drafting from GGUF files is not supported; use a safetensors checkpoint")
+    if config.mtp_num_hidden_layers < 1:
+        raise NotSupported(
+            f"{where}: this checkpoint has no multi-token-prediction block (config.json sets neither "
+            "mtp_num_hidden_layers nor num_nextn_predict_layers); draft with n-grams instead"
+        )
+    if config.mtp_num_hidden_layers > 1:
+        raise NotSupported(f"{where}: {config.mtp_num_hidden_layers} MTP layers; hybridkv drafts with one")

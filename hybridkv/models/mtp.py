@@ -1,0 +1,190 @@
+"""The multi-token-prediction (MTP) block of Qwen3-Next and Qwen3.5 checkpoints (`mtp.*`).
+
+Row i pairs the main model's hidden state h_i with the next token t_{i+1} and predicts t_{i+2}:
+
+    x   = fc(cat[pre_fc_norm_embedding(E(t_{i+1})), pre_fc_norm_hidden(h_i)])    fc: [2D → D]
+    x   = x + attn(input_norm(x))       gated attention at RoPE position i, its own K/V
+    x   = x + ffn(post_norm(x))         the family's MLP: sparse MoE + shared expert, or dense SwiGLU
+    out = norm(x);  logits = the main model's head(out)
+
+Embeddings and head are the main model's; every norm is zero-centred (stored 1 + w).
+
+Cache layout. The MTP layer's K/V is one more attention layer (index = the number of main
+attention layers) in the same blocks, shifted so a block stays a function of the tokens it covers:
+
+    MTP slot p  holds the row (h_{p-1}, t_p) at RoPE position p-1     (p >= 1)
+    MTP slot 0  holds nothing usable and is never attended
+
+so every main forward writes the MTP K/V of the slots it feeds (`catch_up`), pairing its first
+token with the hidden state carried from the sequence's previous forward (`ForwardBatch.hidden_carry`),
+and keeps its last hidden row as the new carry (and the rows at its snapshots in the snapshots).
+Only K and V are needed there, so the catch-up stops at the K/V projection. Drafting (`draft`)
+runs the whole layer for temporary rows, never written to the cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridkv.cache.batch import CacheView, ForwardBatch
+from hybridkv.models.config import ModelConfig
+from hybridkv.models.qwen3_next import (
+    DenseMLP,
+    GatedAttention,
+    RMSNorm,
+    SparseMoE,
+    _attention_layout,
+    _mlp_layout,
+    _moe_layout,
+    _transposed,
+    _weight,
+    _zero_centred,
+)
+from hybridkv.models.weights import Layout, Piece
+from hybridkv.ops.matmul import Weight, linear
+
+MTPHidden = Literal["post_norm", "pre_norm"]
+"""Which main hidden state feeds the block: after the model's final norm (what the released
+checkpoints were trained on) or before it."""
+
+RopeFn = Callable[[torch.Tensor, torch.dtype], tuple[torch.Tensor, torch.Tensor]]
+HeadFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+class MTPBlock(nn.Module):
+    """One MTP layer (`mtp.layers.0`) with its input fc and output norm; see the module docstring."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, hidden: MTPHidden = "post_norm") -> None:
+        super().__init__()
+        c, D = config, config.hidden_size
+        if hidden not in ("post_norm", "pre_norm"):
+            raise ValueError(f'mtp hidden must be "post_norm" or "pre_norm", got {hidden!r}')
+        self.hidden = hidden
+        self.pre_fc_norm_embedding = RMSNorm(D, c.rms_norm_eps)
+        self.pre_fc_norm_hidden = RMSNorm(D, c.rms_norm_eps)
+        self.fc: Weight = _weight(2 * D, D, dtype=dtype)  # [in, out]: embedding half first
+        self.input_norm = RMSNorm(D, c.rms_norm_eps)
+        self.attn = GatedAttention(c, len(c.attention_layers), dtype)  # the cache's last attention layer
+        self.post_norm = RMSNorm(D, c.rms_norm_eps)
+        self.ffn = SparseMoE(c, dtype) if c.mtp_is_moe else DenseMLP(c, dtype)
+        self.norm = RMSNorm(D, c.rms_norm_eps)
+
+    @property
+    def kv_layer(self) -> int:
+        """The cache's attention-layer index of the MTP layer's K/V."""
+        return self.attn.index
+
+    def fuse(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """x [T, D] = fc(cat[norm(E(t_{i+1})), norm(h_i)]) for embeds, hidden [T, D]."""
+        both = torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden.to(embeds.dtype))], -1)
+        return linear(both, self.fc)
+
+    def qkv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The attention's q [T, H, hd], gate, k, v [T, Hkv, hd] for the fused rows x [T, D]."""
+        return self.attn.split_heads(linear(self.input_norm(x), self.attn.qkv_proj), cos, sin)
+
+    def finish(self, x: torch.Tensor, o: torch.Tensor, gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rest of the layer after attention (o [T, H, hd]): (post-`mtp.norm`, pre-norm) outputs [T, D]."""
+        x = x + self.attn.output(o, gate)
+        x = x + self.ffn(self.post_norm(x))
+        return self.norm(x), x
+
+    # -- with the cache -----------------------------------------------------------------------
+
+    def catch_up(self, embeds: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, rope: RopeFn) -> None:
+        """Write the MTP K/V of every slot this forward feeds and keep the hidden carry.
+
+        embeds [T, D]: the fed tokens' embeddings; hidden [T, D]: the main model's hidden rows
+        (the kind `self.hidden` names). Row j of a sequence (slot L + j) pairs the hidden of slot
+        L + j - 1: the carry for j = 0, this forward's row before it otherwise.
+        """
+        previous = hidden.roll(1, 0)
+        previous[batch.cu_seqlens[:-1]] = batch.hidden_carry().to(previous.dtype)
+        cos, sin = rope((batch.positions - 1).clamp(min=0), embeds.dtype)
+        _, _, k, v = self.qkv(self.fuse(embeds, previous), cos, sin)
+        batch.store_kv(self.kv_layer, k, v)
+        batch.store_hidden_carry(hidden)
+
+    def draft(
+        self, tokens: torch.Tensor, view: CacheView, steps: int, embed: HeadFn, rope: RopeFn, head: HeadFn
+    ) -> torch.Tensor:
+        """Greedy drafts for sequences whose next token `tokens` [N] is known but not yet fed:
+        logits [N, steps, V] float32, step s scoring the token after draft s (draft 0 = `tokens`).
+
+        Step 0 is the row (carried h_{L-1}, t_L) at slot L, RoPE position L-1, attending MTP
+        slots 1..L; step s + 1 feeds back step s's output with its argmax. Nothing is written.
+        """
+        N = tokens.shape[0]
+        k_cache, v_cache, visible = _gather_kv(view, self.kv_layer)
+        hidden = view.hidden_carry()
+        new_k: list[torch.Tensor] = []
+        new_v: list[torch.Tensor] = []
+        out = []
+        for s in range(steps):
+            embeds = embed(tokens)
+            cos, sin = rope(view.kv_lens - 1 + s, embeds.dtype)
+            x = self.fuse(embeds, hidden)
+            q, gate, k, v = self.qkv(x, cos, sin)
+            new_k.append(k.float())
+            new_v.append(v.float())
+            keys = torch.cat([k_cache, torch.stack(new_k, 2)], 2)  # [N, Hkv, S + s + 1, hd]
+            values = torch.cat([v_cache, torch.stack(new_v, 2)], 2)
+            mask = torch.cat([visible, visible.new_ones(N, s + 1)], 1)[:, None, None, :]
+            o = _attend(q.float()[:, :, None], keys, values, mask, self.attn.scale)  # [N, H, hd]
+            normed, raw = self.finish(x, o.to(x.dtype), gate)
+            logits = head(normed)
+            out.append(logits)
+            tokens = logits.argmax(-1)
+            hidden = normed if self.hidden == "post_norm" else raw
+        return torch.stack(out, 1)
+
+
+def _gather_kv(view: CacheView, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The cached MTP K/V of each sequence, padded: keys, values [N, Hkv, S, hd] float32 and the
+    visible slots [N, S] bool (1..L-1: slot 0 holds nothing, slot L is the first draft row)."""
+    k_pool, v_pool = view.kv_pools(layer)
+    N, bs = view.block_tables.shape[0], k_pool.shape[1]
+
+    def gather(pool: torch.Tensor) -> torch.Tensor:
+        rows = pool.index_select(0, view.block_tables.flatten()).view(N, -1, *pool.shape[2:])
+        return rows.transpose(1, 2).float()
+
+    slots = torch.arange(view.block_tables.shape[1] * bs)
+    visible = (slots >= 1) & (slots[None] < view.kv_lens[:, None])
+    return gather(k_pool), gather(v_pool), visible
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [N, H, 1, hd] over k, v [N, Hkv, S, hd] where mask [N, 1, 1, S] allows: [N, H, hd]."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)[:, :, 0]
+
+
+# -- checkpoint mapping -----------------------------------------------------------------------
+
+
+def mtp_layout(config: ModelConfig, names: set[str], prefix: str = "mtp.") -> Layout:
+    """Our MTP parameters (under `mtp.`) → the checkpoint's `mtp.*` tensors. The layer's experts
+    may be fused or per expert, as in the decoder (`names` decides)."""
+    c, D = config, config.hidden_size
+    hf = prefix + "layers.0."
+    ffn = _moe_layout(c, hf + "mlp.", names) if c.mtp_is_moe else _mlp_layout(c, hf + "mlp.")
+    layout: Layout = {
+        "fc": _transposed([Piece(prefix + "fc.weight", (D, 2 * D))]),
+        "pre_fc_norm_embedding.weight": [Piece(prefix + "pre_fc_norm_embedding.weight", (D,), _zero_centred)],
+        "pre_fc_norm_hidden.weight": [Piece(prefix + "pre_fc_norm_hidden.weight", (D,), _zero_centred)],
+        "input_norm.weight": [Piece(hf + "input_layernorm.weight", (D,), _zero_centred)],
+        "post_norm.weight": [Piece(hf + "post_attention_layernorm.weight", (D,), _zero_centred)],
+        "norm.weight": [Piece(prefix + "norm.weight", (D,), _zero_centred)],
+    }
+    layout.update({"attn." + k: v for k, v in _attention_layout(c, hf + "self_attn.").items()})
+    layout.update({"ffn." + k: v for k, v in ffn.items()})
+    return {"mtp." + k: v for k, v in layout.items()}
