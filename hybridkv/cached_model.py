@@ -106,11 +106,6 @@ class CachedModel:
         """Does verifying drafts take verify rows (`CacheConfig.verify_rows`): recurrent layers?"""
         return self.cache.spec.num_linear_layers > 0
 
-    def draft_mtp(self, pending: Mapping[int, int], k: int) -> dict[int, list[int]]:
-        """k greedy drafts per sequence from the model's MTP block (sequence -> its sampled,
-        not yet fed, next token)."""
-        raise NotSupported("this model has no multi-token-prediction block to draft with")
-
     # -- sequences ----------------------------------------------------------------------------
 
     def new_sequence(self) -> int:

@@ -96,7 +96,11 @@ class LLM:
         engine = with_speculation(engine or EngineConfig(), speculative, num_speculative_tokens)
         cores = IdleCores() if engine.adapt_threads else None  # before the load: its first look covers it
         self.cm = CachedModel.load(
-            self.source, parse_dtype(dtype), cache or default_cache_config(engine), quantize=quantize
+            self.source,
+            parse_dtype(dtype),
+            cache or default_cache_config(engine),
+            quantize=quantize,
+            mtp=_wants_mtp(engine, self.source),
         )
         self.files: tuple[Path, ...]  # what the model was read from
         generation_config: dict[str, Any] = {}
@@ -242,3 +246,15 @@ def _read_json(path: Path) -> dict[str, Any]:
     with open(path) as f:
         data = json.load(f)
     return data if isinstance(data, dict) else {}
+
+
+def _wants_mtp(engine: EngineConfig, source: ResolvedModel) -> bool:
+    """Load the MTP block for `--speculative mtp`, and for `auto` when the checkpoint has one."""
+    method = engine.speculative.method
+    if method == "mtp":
+        return True
+    if method != "auto" or source.is_gguf:
+        return False
+    config = _read_json(source.path / "config.json")
+    text = config.get("text_config", config)
+    return bool(text.get("num_nextn_predict_layers") or text.get("mtp_num_hidden_layers"))

@@ -19,6 +19,7 @@ from hybridkv.engine.llm import LLM, default_cache_config
 from hybridkv.engine.request import Request
 from hybridkv.engine.sampling import SamplingParams
 from hybridkv.engine.speculative import AdaptiveDraft, NgramIndex, SpeculativeConfig
+from hybridkv.errors import NotSupported
 
 # -- drafts -----------------------------------------------------------------------------------
 
@@ -69,11 +70,13 @@ def test_bad_speculation_settings_say_what_to_change(kwargs: dict[str, Any], mat
         SpeculativeConfig(**kwargs)
 
 
-def test_engine_refuses_speculation_without_verify_rows_and_mtp_without_a_block() -> None:
+def test_engine_refuses_speculation_without_verify_rows_and_mtp_without_a_block(
+    chat_model: tuple[Path, Any],
+) -> None:
     with pytest.raises(ValueError, match="verify_rows"):
         LLM(cache=CacheConfig(max_sequences=17), speculative="ngram")
-    with pytest.raises(ValueError, match="multi-token-prediction"):
-        LLM(speculative="mtp")
+    with pytest.raises(NotSupported, match="MTP|multi-token"):
+        LLM(chat_model[0], speculative="mtp")  # a checkpoint without mtp.* weights
 
 
 # -- exactness --------------------------------------------------------------------------------
@@ -148,12 +151,20 @@ def compare_greedy(plain: Request, spec: Request) -> int:
     return min(len(want.token_ids), len(got.token_ids))
 
 
-@pytest.mark.parametrize("seed, tight", [(0, True), (1, True), (2, False)])
-def test_greedy_and_seeded_output_equal_plain_decoding_under_a_mixed_program(seed: int, tight: bool) -> None:
+@pytest.mark.parametrize(
+    "seed, tight, method", [(0, True, "ngram"), (1, True, "mtp"), (2, False, "ngram"), (3, False, "mtp")]
+)
+def test_greedy_and_seeded_output_equal_plain_decoding_under_a_mixed_program(
+    seed: int, tight: bool, method: str
+) -> None:
     """`tight`: KV for about two sequences, so requests are preempted and resumed (and the
     follow-up turn finds its prefix evicted); else room enough that it reuses it."""
-    kv = 330 * make_llm("off").cm.cache.spec.kv_bytes_per_token if tight else None
-    plain_llm, spec_llm = (make_llm(m, block_size=4, kv_bytes=kv, max_model_len=256) for m in ("off", "ngram"))
+
+    def engine(m: str) -> LLM:
+        kv = 330 * make_llm(m).cm.cache.spec.kv_bytes_per_token if tight else None
+        return make_llm(m, block_size=4, kv_bytes=kv, max_model_len=256)
+
+    plain_llm, spec_llm = engine("off"), engine(method)
     plain, spec = run_program(plain_llm, seed), run_program(spec_llm, seed)
     compared = total = 0
     for name in ("a", "c", "e"):
