@@ -5,6 +5,7 @@ without a key) is refused before the model loads."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import ssl
@@ -53,6 +54,8 @@ def add_parser(commands: Any) -> None:
         help="publish the prefix cache's blocks on this ZMQ endpoint (tcp://127.0.0.1:5557) for vllm-router's "
         "kv_aware policy (needs the [cluster] extra)",
     )
+    # A worker of `serve --replicas` (internal): load, then serve the inherited socket stdin names.
+    serve.add_argument("--standby", action="store_true", help=argparse.SUPPRESS)
     _add_access_flags(serve)
     add_cluster_flags(serve)
     serve.set_defaults(run=serve_command)
@@ -94,6 +97,8 @@ def serve_command(args: argparse.Namespace) -> int:
 
     try:
         access = _check(args)  # flags, keys, TLS files, the loopback rule: before anything loads
+        if args.standby:
+            return _serve_when_told(args, access)
         sock = bind(args.host, args.port)  # before the model loads: a busy port fails at once
     except (cli.UsageError, PortUnavailable) as e:  # here too: under `python -m hybridkv.cli`, cli.main's class differs
         print(f"hybridkv: error: {e}", file=sys.stderr)
@@ -113,6 +118,39 @@ def serve_command(args: argparse.Namespace) -> int:
         model_id = args.model_id or (llm.source.served_name if args.model else DEFAULT_MODEL_ID)
         tls = {"ssl_certfile": args.ssl_certfile, "ssl_keyfile": args.ssl_keyfile}
         serve(llm, model_id, sock, args.shutdown_timeout, access, kv_events, **tls)
+    return 0
+
+
+def _serve_when_told(args: argparse.Namespace, access: Any) -> int:
+    """A worker of `serve --replicas`: load the model, then wait for one JSON line on stdin saying
+    which inherited listening socket to serve, with how many threads, on which CPUs, publishing KV
+    events where. A spare loaded ahead of need so takes a dead worker's place at once."""
+    from hybridkv import cli
+    from hybridkv.server.serve import serve
+
+    try:
+        llm = cli.llm_from_args(args)
+    except cli.UsageError as e:
+        print(f"hybridkv: error: {e}", file=sys.stderr)
+        return 2
+    line = sys.stdin.readline()
+    if not line:
+        return 0  # never needed: serve --replicas is stopping
+    role = json.loads(line)
+    for fd in role.get("close", ()):  # the other workers' sockets, inherited for a spare's sake
+        os.close(fd)
+    if role.get("cpus"):  # memory follows: the kernel allocates on the node of the CPU that first touches it
+        os.sched_setaffinity(0, role["cpus"])
+    import torch
+
+    torch.set_num_threads(role["threads"])
+    try:
+        kv_events = _kv_events(role.get("kv_events"))
+    except cli.UsageError as e:
+        print(f"hybridkv: error: {e}", file=sys.stderr)
+        return 2
+    model_id = args.model_id or (llm.source.served_name if args.model else DEFAULT_MODEL_ID)
+    serve(llm, model_id, socket.socket(fileno=role["fd"]), args.shutdown_timeout, access, kv_events)
     return 0
 
 

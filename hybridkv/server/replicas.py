@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import ctypes
 import dataclasses
+import json
 import os
 import secrets
 import signal
@@ -70,6 +71,13 @@ def add_cluster_flags(serve: argparse.ArgumentParser) -> None:
         type=int,
         metavar="N",
         help="run N workers on loopback ports behind a router (default: one process)",
+    )
+    group.add_argument(
+        "--no-spare",
+        dest="standby_spare",
+        action="store_false",
+        help="keep no loaded spare worker (by default one waits, so a dead worker is replaced at once; it costs one "
+        "more copy of the model in memory): a dead worker is then restarted, as long as a load takes",
     )
     group.add_argument(
         "--router",
@@ -194,45 +202,68 @@ def _die_with_parent() -> None:
 
 @dataclasses.dataclass
 class Worker:
+    """One replica's place: its listening socket (bound here, so it outlives its processes: a
+    request arriving while the process is replaced waits in the backlog), its role, its process."""
+
     index: int
-    port: int
-    command: list[str]
-    env: dict[str, str]
-    cpus: list[int] | None
+    sock: socket.socket
+    role: dict[str, Any]  # what the process is told to serve: {"fd", "threads", "cpus", "kv_events"}
     kv_port: int | None = None
     process: subprocess.Popen[bytes] | None = None
-    restarts: int = 0
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        cpus = self.cpus
-
-        def before_exec() -> None:
-            _die_with_parent()
-            if cpus:  # memory follows: the kernel allocates on the node of the CPU that first touches it
-                os.sched_setaffinity(0, cpus)
-
-        self.process = subprocess.Popen(self.command, env=self.env, preexec_fn=before_exec)
+        return f"http://127.0.0.1:{self.sock.getsockname()[1]}"
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
 
-def worker_commands(args: argparse.Namespace, access: Access, router_key: str | None) -> list[Worker]:
-    """The workers' command lines: `hybridkv serve` on a free loopback port each, with the engine
-    flags passed through, threads and cache memory split."""
+class Spawner:
+    """Starts worker processes: `hybridkv serve --standby`, which loads the model, then reads its
+    role (which inherited socket to serve, threads, CPUs, KV-event endpoint) as one JSON line on
+    stdin. A spare started ahead of need takes a dead worker's place as soon as it is told to."""
+
+    def __init__(self, command: list[str], env: dict[str, str], workers: Sequence[Worker]) -> None:
+        self.command = command
+        self.env = env
+        self.fds = tuple(w.sock.fileno() for w in workers)
+
+    def spawn(self) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            self.command, env=self.env, stdin=subprocess.PIPE, pass_fds=self.fds, preexec_fn=_die_with_parent
+        )
+
+    def assign(self, process: subprocess.Popen[bytes], worker: Worker) -> None:
+        """Tell `process` to serve as `worker` (and to close the other workers' sockets)."""
+        assert process.stdin is not None
+        role = {**worker.role, "close": [fd for fd in self.fds if fd != worker.sock.fileno()]}
+        with contextlib.suppress(BrokenPipeError):  # it died meanwhile: the watch loop sees it
+            process.stdin.write(json.dumps(role).encode() + b"\n")
+            process.stdin.close()
+        worker.process = process
+
+
+def plan_workers(args: argparse.Namespace, access: Access, router_key: str | None) -> tuple[list[Worker], Spawner]:
+    """The workers' sockets (free loopback ports) and roles, and how to start their processes:
+    `hybridkv serve` with the engine flags passed through, threads and cache memory split."""
+    from hybridkv.server.serve import bind
+
     n = args.replicas
     cores = args.threads or len(os.sched_getaffinity(0))
     threads = split(max(cores, n), n)
-    budget = None
-    if args.cache_memory:
-        from hybridkv.cli import parse_size
-
-        budget = parse_size(args.cache_memory) // n
     places = placement(n, numa_nodes())
+    workers = []
+    for i in range(n):
+        sock = bind("127.0.0.1", 0)
+        sock.set_inheritable(True)
+        place = places[i]
+        role: dict[str, Any] = {"fd": sock.fileno(), "threads": threads[i], "cpus": place[1] if place else None}
+        kv_port = None
+        if args.router == "vllm" and args.policy == "kv_aware":
+            kv_port = free_port()
+            role["kv_events"] = f"tcp://127.0.0.1:{kv_port}"
+        workers.append(Worker(i, sock, role, kv_port))
     passed = [
         ("--dtype", args.dtype),
         ("--max-model-len", args.max_model_len),
@@ -244,29 +275,22 @@ def worker_commands(args: argparse.Namespace, access: Access, router_key: str | 
         ("--quantize", args.quantize),
         ("--model-id", args.model_id),
         ("--max-waiting-per-key", args.max_waiting_per_key),
+        ("--threads", threads[0]),  # while loading; the role sets the worker's own share
     ]
-    base = [sys.executable, "-m", "hybridkv.cli", "serve", "--host", "127.0.0.1"]
-    base += [item for flag, value in passed if value is not None for item in (flag, str(value))]
+    if args.cache_memory:
+        from hybridkv.cli import parse_size
+
+        passed.append(("--cache-memory", parse_size(args.cache_memory) // n))
+    command = [sys.executable, "-m", "hybridkv.cli", "serve", "--standby", "--host", "127.0.0.1"]
+    command += [item for flag, value in passed if value is not None for item in (flag, str(value))]
     if args.metrics_public:
-        base.append("--metrics-public")
+        command.append("--metrics-public")
     env = {k: v for k, v in os.environ.items() if k not in (ENV_VAR, ROUTER_KEY_VAR)}
     if access.keys:
         env[ENV_VAR] = ",".join(sorted(access.keys))
         if router_key is not None:
             env[ROUTER_KEY_VAR] = router_key
-    workers = []
-    for i in range(n):
-        port = free_port()
-        command = [*base, "--port", str(port), "--threads", str(threads[i])]
-        if budget is not None:
-            command += ["--cache-memory", str(budget)]
-        kv_port = None
-        if args.router == "vllm" and args.policy == "kv_aware":
-            kv_port = free_port()
-            command += ["--kv-events", f"tcp://127.0.0.1:{kv_port}"]
-        place = places[i]
-        workers.append(Worker(i, port, command, env, place[1] if place else None, kv_port))
-    return workers
+    return workers, Spawner(command, env, workers)
 
 
 def router_command(args: argparse.Namespace, workers: Sequence[Worker], model_id: str, metrics_port: int) -> list[str]:
@@ -330,7 +354,7 @@ def serve_replicas(args: argparse.Namespace, access: Access) -> int:
         model_id = resolve_model(args.model).served_name
         args.model_id = model_id  # the same name on every worker and in the router's events
     router_key = secrets.token_urlsafe(24) if access.keys and args.router == "vllm" else None
-    workers = worker_commands(args, access, router_key)
+    workers, spawner = plan_workers(args, access, router_key)
     stopping = False
 
     def stop(signum: int, frame: Any) -> None:
@@ -339,10 +363,12 @@ def serve_replicas(args: argparse.Namespace, access: Access) -> int:
 
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     router: subprocess.Popen[bytes] | None = None
+    spare: subprocess.Popen[bytes] | None = None
     try:
         for w in workers:
-            w.start()
+            spawner.assign(spawner.spawn(), w)
         wait_healthy(workers, timeout=600)
+        spare = spawner.spawn() if args.standby_spare else None
         metrics_port = free_port()
         env = dict(os.environ)
         env.pop(ENV_VAR, None)
@@ -355,19 +381,22 @@ def serve_replicas(args: argparse.Namespace, access: Access) -> int:
         while not stopping and router.poll() is None:
             for w in workers:
                 if not w.alive() and not stopping:
-                    print(
-                        f"hybridkv: replica {w.index} exited ({w.process and w.process.returncode}): starting it again",
-                        file=sys.stderr,
-                    )
-                    w.restarts += 1
-                    w.start()
-            time.sleep(0.2)
+                    code = w.process.returncode if w.process else None
+                    how = "the spare takes its place" if spare is not None else "starting it again"
+                    print(f"hybridkv: replica {w.index} exited ({code}): {how}", file=sys.stderr, flush=True)
+                    spawner.assign(spare or spawner.spawn(), w)
+                    spare = spawner.spawn() if spare is not None else None
+            if spare is not None and spare.poll() is not None and not stopping:
+                spare = spawner.spawn()  # the spare itself died (out of memory?): another
+            time.sleep(0.1)
         return 0 if stopping else (router.returncode or 1)
     except RuntimeError as e:
         print(f"hybridkv: error: {e}", file=sys.stderr)
         return 1
     finally:
-        _stop([router] if router else [], workers)
+        _stop([router] if router else [], [*workers], spare)
+        for w in workers:
+            w.sock.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
 
@@ -399,16 +428,18 @@ def _announce(args: argparse.Namespace, workers: Sequence[Worker], metrics_port:
     )
 
 
-def _stop(routers: list[subprocess.Popen[bytes]], workers: Sequence[Worker]) -> None:
+def _stop(
+    routers: list[subprocess.Popen[bytes]], workers: Sequence[Worker], spare: subprocess.Popen[bytes] | None
+) -> None:
     """The router first (no new requests), then the workers (each finishes its streams)."""
-    for process in [*routers, *(w.process for w in workers if w.process)]:
+    processes = [*routers, *(w.process for w in workers if w.process), *([spare] if spare else [])]
+    for process in processes:
         if process.poll() is None:
             process.terminate()
         if process in routers:
             _wait(process, 10)
-    for w in workers:
-        if w.process:
-            _wait(w.process, 30)
+    for process in processes:
+        _wait(process, 30)
 
 
 def _wait(process: subprocess.Popen[bytes], seconds: float) -> None:

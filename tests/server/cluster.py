@@ -47,19 +47,25 @@ class Cluster:
         )
 
     def worker_pid(self, index: int) -> int:
-        """The process serving worker `index` now (a child of serve)."""
-        port = self.workers[index].rsplit(":", 1)[1]
+        """The process serving worker `index` now: the child of serve holding its listening socket."""
+        port = int(self.workers[index].rsplit(":", 1)[1])
+        inode = next(
+            fields[9]
+            for line in Path("/proc/net/tcp").read_text().splitlines()[1:]
+            if (fields := line.split())[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port
+        )
         for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                    argv = (entry / "cmdline").read_bytes().split(b"\0")
-                except OSError:
+            try:
+                if (
+                    not entry.name.isdigit()
+                    or int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) != self.process.pid
+                ):
                     continue
-                ours = int(stat[1]) == self.process.pid and b"--port" in argv
-                if ours and argv[argv.index(b"--port") + 1] == port.encode():
+                if any(os.readlink(fd) == f"socket:[{inode}]" for fd in (entry / "fd").iterdir()):
                     return int(entry.name)
-        raise AssertionError(f"no worker process on port {port}")
+            except OSError:
+                continue
+        raise AssertionError(f"no worker process listening on port {port}")
 
     def stop(self) -> None:
         self.process.send_signal(signal.SIGTERM)

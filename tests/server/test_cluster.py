@@ -223,7 +223,7 @@ def test_a_killed_replica_fails_only_its_streams_and_is_back_within_10_s() -> No
     try:
         for t in threads:
             t.start()
-        time.sleep(4)
+        time.sleep(12)  # under load; the spare worker loads meanwhile
         victim = cluster.worker_pid(0)
         killed = time.monotonic()
         import os
@@ -246,4 +246,4 @@ def test_a_killed_replica_fails_only_its_streams_and_is_back_within_10_s() -> No
     print(f"\n{len(records)} requests, {len(failed)} failed, the replica was back {back:.1f} s after the kill")
     assert all(streaming and start < killed < end for streaming, start, end, _ in failed), failed
     assert sum(1 for r in records if r[1] > killed + back + 2 and r[3]) > 0  # it serves after
-    assert "starting it again" in "".join(cluster.log)
+    assert "the spare takes its place" in "".join(cluster.log)
