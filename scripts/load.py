@@ -149,7 +149,8 @@ def start_server(args: argparse.Namespace, replicas: int | None = None) -> subpr
     if args.threads:
         command += ["--threads", str(args.threads)]
     if replicas is not None:
-        command += ["--replicas", str(replicas), "--router", args.router]
+        # No spare worker: its model load would run during the measurement.
+        command += ["--replicas", str(replicas), "--router", args.router, "--no-spare"]
         command += ["--policy", args.policy] if args.policy else []
     server = subprocess.Popen(command, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     args.url = f"http://127.0.0.1:{port}"
