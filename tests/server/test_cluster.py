@@ -160,6 +160,8 @@ def test_every_later_turn_lands_on_its_replica(
     cluster = start_cluster("--router", router, "--policy", policy, *ROOM)
     try:
         result = converse(cluster.openai(), ORDER)
+        if router == "vllm":  # without keys it forwards the Ollama API to a worker, outside its policy
+            assert [m.model for m in ollama.Client(host=cluster.url, timeout=30).list().models] == [MODEL]
     finally:
         cluster.stop()
     for turn, usage in result.items():
