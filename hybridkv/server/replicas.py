@@ -7,9 +7,11 @@
 Workers are `hybridkv serve` processes, started with the same engine flags; `--threads` and
 `--cache-memory` are split evenly between them (without `--cache-memory` each sizes its own default
 cache). On a machine with several NUMA nodes each worker is pinned to one node's CPUs (`placement`).
-The router starts once every worker answers /health; a worker that dies is started again on its
-port, and the router's health checks (every second) take it back. The children die with `serve`
-(PR_SET_PDEATHSIG), and stop when it stops.
+The router starts once every worker answers /health. `serve` binds the workers' sockets itself
+and keeps a spare worker loaded: when a worker dies, the spare takes over its socket (requests
+meanwhile wait in the backlog) and the router's health checks (every second) take it back; a new
+spare loads (with `--no-spare`, the dead worker is started again instead). The children die with
+`serve` (PR_SET_PDEATHSIG), and stop when it stops.
 
 Keys (see README, "Serving on a network"): sglang-router checks clients itself with its one
 `--api-key` and sends it on to the workers, which take it; vllm-router checks nobody and forwards
