@@ -56,3 +56,16 @@ def test_help_names_the_default_router_and_policy(capsys: pytest.CaptureFixture[
         main(["serve", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "default sglang" in text and "cache_aware for sglang" in text and "kv_aware for vllm" in text
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "named"),
+    [("tcp://0.0.0.0:5557", "--kv-events 0.0.0.0 is reachable beyond"), ("udp://x", "give tcp://HOST:PORT")],
+)
+def test_a_kv_event_endpoint_is_checked_as_a_listener(
+    capsys: pytest.CaptureFixture[str], endpoint: str, named: str
+) -> None:
+    """The publisher is a listener too: beyond loopback it needs a key (or --allow-unauthenticated)."""
+    assert main(["serve", "--kv-events", endpoint, "--model", NO_MODEL]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and named in errors[0]
