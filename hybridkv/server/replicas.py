@@ -107,6 +107,8 @@ def check_cluster_flags(args: argparse.Namespace, access: Access) -> None:
     kind = ROUTERS[args.router]
     if args.replicas < 1:
         raise UsageError("--replicas must be >= 1")
+    if args.port == 0:
+        raise UsageError("--port 0 with --replicas: give the router a port (its own choice would not be known here)")
     if args.policy is None:
         args.policy = kind.default_policy
     if args.policy not in kind.policies:

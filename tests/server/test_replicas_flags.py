@@ -26,6 +26,7 @@ def no_key_in_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--kv-events", "tcp://127.0.0.1:5557"], "--kv-events"),
         (["--threads", "1"], "--threads 1 cannot be split between 2 replicas"),
         (["--host", "0.0.0.0"], "--allow-unauthenticated"),
+        (["--port", "0"], "--port 0 with --replicas"),
     ],
 )
 def test_refused_before_anything_starts(capsys: pytest.CaptureFixture[str], flags: list[str], named: str) -> None:
