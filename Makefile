@@ -20,7 +20,7 @@ $(BIN)/python:
 # flash-linear-attention: transformers would use its kernels instead of the reference path.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	if ! nvidia-smi >/dev/null 2>&1; then $(BIN)/python -m pip install -q '$(TORCH)'; fi
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[test,cluster]'
 	@if $(BIN)/python -m pip show -q flash-linear-attention 2>/dev/null; then \
 		echo "flash-linear-attention is installed in $(VENV): remove it (the tests need transformers' reference path)"; exit 1; fi
 	touch $@

@@ -12,8 +12,9 @@ engine forks it there: the KV blocks are shared, only the rest of the prompt is 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 from hybridkv.cached_model import CachedModel
 
@@ -40,6 +41,8 @@ class PrefixIndex:
         self.max_entries = max_entries
         self._root = _Node([])
         self._tokens: dict[int, list[int]] = {}  # entry -> its tokens, in LRU order (oldest first)
+        # Told of every entry kept and forgotten, in the thread that changes the index (the KV events).
+        self.listeners: list[Callable[[Literal["insert", "remove"], list[int]], None]] = []
 
     def __len__(self) -> int:
         return len(self._tokens)
@@ -72,6 +75,8 @@ class PrefixIndex:
             child.entries.add(seq)
             node, i = child, i + len(child.span)
         self._tokens[seq] = tokens
+        for listener in self.listeners:
+            listener("insert", tokens)
         while len(self._tokens) > self.max_entries:
             self.evict_one()
 
@@ -119,6 +124,8 @@ class PrefixIndex:
                 break
             node, i = child, i + len(child.span)
         self.cm.release(seq)
+        for listener in self.listeners:
+            listener("remove", tokens)
 
     def evict_one(self) -> bool:
         """Release the least recently used entry; False when there is none."""

@@ -33,11 +33,12 @@ from hybridkv.engine.grammar import Grammar
 from hybridkv.engine.llm import LLM
 from hybridkv.engine.request import RequestOutput
 from hybridkv.engine.sampling import SamplingParams
-from hybridkv.server import metrics, ollama, openai, structured
+from hybridkv.server import metrics, ollama, openai, router_compat, structured, tokenize
 from hybridkv.server.auth import Access, RequireKey
 from hybridkv.server.chatml import CHATML_WITH_TOOLS
 from hybridkv.server.fields import ApiError, Fields, bad, error_body
 from hybridkv.server.generation import RETRY_AFTER_S, Generation
+from hybridkv.server.kv_events import KvEvents
 from hybridkv.server.tool_calls import FUNCTION
 
 log = logging.getLogger("hybridkv.server")
@@ -48,11 +49,15 @@ _DRAIN_LIMIT = 64 << 20  # an oversized body up to this size is read and dropped
 class ServerState:
     """What every route needs: the LLM, the one model id, limits, and the HTTP counters."""
 
-    def __init__(self, llm: LLM, model_id: str, max_body: int, access: Access | None = None) -> None:
+    def __init__(
+        self, llm: LLM, model_id: str, max_body: int, access: Access | None = None, kv_events: KvEvents | None = None
+    ) -> None:
         self.llm = llm
         self.model_id = model_id
         self.max_body = max_body
         self.access = access or Access()
+        self.kv_events = kv_events
+        self.announced_tokens = 0  # summed over requests: the router's credit, beside the cache's
         self.started = time.time()
         self.serving = False  # between the lifespan's start and end
         self.responses: Counter[tuple[str, int]] = Counter()
@@ -112,7 +117,11 @@ class ServerState:
             if waiting + len(prompts) > limit:
                 message = f"this API key already has {waiting} requests waiting (at most {limit} a key); retry later"
                 raise ApiError(429, message, headers={"Retry-After": str(RETRY_AFTER_S)})
+        announced = [self.kv_events.announced(ids) for ids, _, _ in prompts] if self.kv_events else None
         generation = Generation.submit(self.llm.engine, prompts, key)
+        if announced is not None:
+            generation.announced = sum(announced)
+            self.announced_tokens += generation.announced
         self._generations.add(generation)
         return generation
 
@@ -177,18 +186,26 @@ class ServerState:
 
 
 def create_app(
-    llm: LLM, model_id: str | None = None, max_body: int | None = None, access: Access | None = None
+    llm: LLM,
+    model_id: str | None = None,
+    max_body: int | None = None,
+    access: Access | None = None,
+    kv_events: KvEvents | None = None,
 ) -> Starlette:
     """The app serving `llm` as `model_id` (default: its source's served name). The engine thread
     starts with the app's lifespan and is shut down (cancelling what still runs) at its end.
     `max_body` defaults to 1 MiB or 64 bytes per context token, whichever is larger. `access`:
-    the API keys every route off the public ones needs (default: none, anyone may call)."""
+    the API keys every route off the public ones needs (default: none, anyone may call).
+    `kv_events`: a bound publisher the prefix index announces its blocks to (closed at the end)."""
     state = ServerState(
         llm,
         model_id or llm.source.served_name,
         max_body or max(1 << 20, 64 * int(llm.cm.cache.config.max_model_len)),
         access,
+        kv_events,
     )
+    if kv_events is not None:
+        llm.engine.index.listeners.append(kv_events.on_index)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -199,6 +216,8 @@ def create_app(
         finally:
             state.serving = False
             await run_in_threadpool(llm.engine.shutdown)
+            if kv_events is not None:
+                kv_events.close()
 
     routes = [
         Route("/", root, methods=["GET", "HEAD"]),
@@ -206,6 +225,8 @@ def create_app(
         Route("/metrics", prometheus, methods=["GET"]),
         *openai.routes(),
         *ollama.routes(),
+        *router_compat.routes(),
+        *tokenize.routes(),
     ]
     handlers: Mapping[Any, Any] = {ApiError: api_error, HTTPException: http_error, Exception: server_error}
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
@@ -231,7 +252,8 @@ async def health(request: Request) -> Response:
 
 async def prometheus(request: Request) -> Response:
     state = server_state(request)
-    text = metrics.render(state.llm.engine.metrics(), state.responses, state.model_id)
+    announced = state.announced_tokens if state.kv_events is not None else None
+    text = metrics.render(state.llm.engine.metrics(), state.responses, state.model_id, announced)
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 

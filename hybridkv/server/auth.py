@@ -22,9 +22,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from hybridkv.server.fields import error_body
 
 ENV_VAR = "HYBRIDKV_API_KEY"
+ROUTER_KEY_VAR = "HYBRIDKV_ROUTER_KEY"  # a worker of `serve --replicas`: its router's own key
 # Open without a key: liveness probes, and what ollama clients call before anything else.
 PUBLIC = {"/health": None, "/api/version": None, "/": frozenset({"GET", "HEAD"})}  # path -> methods (None: all)
 _SCOPE_KEY = "hybridkv.api_key"  # the matched key's index, in the ASGI scope
+# What a router's own key may call on a worker (`Access.router_key`): vllm-router's kv_aware probes.
+ROUTER_PATHS = frozenset({"/tokenize", "/v1/chat/completions/render", "/v1/completions/render"})
 
 
 class AccessError(ValueError):
@@ -42,6 +45,7 @@ class Access:
     metrics_public: bool = False
     max_waiting_per_key: int | None = None
     allow_unauthenticated: bool = False
+    router_key: str | None = dataclasses.field(default=None, repr=False)  # valid on ROUTER_PATHS only
     _digests: tuple[bytes, ...] = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -157,6 +161,9 @@ class RequireKey:
             return
         token = _bearer(scope["headers"])
         key = None if token is None else self.access.match(token)
+        if key is None and token is not None and self._router_probe(scope["path"], token):
+            await self.app(scope, receive, send)  # a router's probe: counted under no client's key
+            return
         if key is not None:
             scope[_SCOPE_KEY] = key
             await self.app(scope, receive, send)
@@ -164,6 +171,12 @@ class RequireKey:
             await send({"type": "websocket.close", "code": 1008})
         else:
             await _refuse(scope["path"], send, missing=token is None)
+
+    def _router_probe(self, path: str, token: bytes) -> bool:
+        router_key = self.access.router_key
+        if path not in ROUTER_PATHS or router_key is None:
+            return False
+        return hmac.compare_digest(_digest(token), _digest(router_key.encode()))
 
 
 async def _refuse(path: str, send: Send, missing: bool) -> None:

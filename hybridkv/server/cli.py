@@ -5,6 +5,7 @@ without a key) is refused before the model loads."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import ssl
@@ -18,6 +19,7 @@ DEFAULT_MODEL_ID = "hybridkv-default"
 def add_parser(commands: Any) -> None:
     """Register `serve` on the CLI's subparsers; uvicorn and the model load when it runs."""
     from hybridkv.cli import add_engine_flags
+    from hybridkv.server.replicas import add_cluster_flags
 
     serve = commands.add_parser(
         "serve",
@@ -46,7 +48,16 @@ def add_parser(commands: Any) -> None:
         metavar="S",
         help="seconds streams may take to finish on shutdown before they are cancelled (default 5)",
     )
+    serve.add_argument(
+        "--kv-events",
+        metavar="ENDPOINT",
+        help="publish the prefix cache's blocks on this ZMQ endpoint (tcp://127.0.0.1:5557) for vllm-router's "
+        "kv_aware policy (needs the [cluster] extra)",
+    )
+    # A worker of `serve --replicas` (internal): load, then serve the inherited socket stdin names.
+    serve.add_argument("--standby", action="store_true", help=argparse.SUPPRESS)
     _add_access_flags(serve)
+    add_cluster_flags(serve)
     serve.set_defaults(run=serve_command)
 
 
@@ -86,20 +97,77 @@ def serve_command(args: argparse.Namespace) -> int:
 
     try:
         access = _check(args)  # flags, keys, TLS files, the loopback rule: before anything loads
+        if args.standby:
+            return _serve_when_told(args, access)
         sock = bind(args.host, args.port)  # before the model loads: a busy port fails at once
     except (cli.UsageError, PortUnavailable) as e:  # here too: under `python -m hybridkv.cli`, cli.main's class differs
         print(f"hybridkv: error: {e}", file=sys.stderr)
         return 2
+    if args.replicas is not None:
+        sock.close()  # the router listens there; serve_replicas binds it again once the workers are up
+        from hybridkv.server.replicas import serve_replicas
+
+        return serve_replicas(args, access)
     with sock:
         try:
+            kv_events = _kv_events(args.kv_events)
             llm = cli.llm_from_args(args)
         except cli.UsageError as e:
             print(f"hybridkv: error: {e}", file=sys.stderr)
             return 2
         model_id = args.model_id or (llm.source.served_name if args.model else DEFAULT_MODEL_ID)
         tls = {"ssl_certfile": args.ssl_certfile, "ssl_keyfile": args.ssl_keyfile}
-        serve(llm, model_id, sock, args.shutdown_timeout, access, **tls)
+        serve(llm, model_id, sock, args.shutdown_timeout, access, kv_events, **tls)
     return 0
+
+
+def _serve_when_told(args: argparse.Namespace, access: Any) -> int:
+    """A worker of `serve --replicas`: load the model, then wait for one JSON line on stdin saying
+    which inherited listening socket to serve, with how many threads, on which CPUs, publishing KV
+    events where. A spare loaded ahead of need so takes a dead worker's place at once."""
+    from hybridkv import cli
+    from hybridkv.server.serve import serve
+
+    try:
+        llm = cli.llm_from_args(args)
+    except cli.UsageError as e:
+        print(f"hybridkv: error: {e}", file=sys.stderr)
+        return 2
+    line = sys.stdin.readline()
+    if not line:
+        return 0  # never needed: serve --replicas is stopping
+    role = json.loads(line)
+    for fd in role.get("close", ()):  # the other workers' sockets, inherited for a spare's sake
+        os.close(fd)
+    if role.get("cpus"):  # memory follows: the kernel allocates on the node of the CPU that first touches it
+        os.sched_setaffinity(0, role["cpus"])
+    import torch
+
+    torch.set_num_threads(role["threads"])
+    try:
+        kv_events = _kv_events(role.get("kv_events"))
+    except cli.UsageError as e:
+        print(f"hybridkv: error: {e}", file=sys.stderr)
+        return 2
+    model_id = args.model_id or (llm.source.served_name if args.model else DEFAULT_MODEL_ID)
+    serve(llm, model_id, socket.socket(fileno=role["fd"]), args.shutdown_timeout, access, kv_events)
+    return 0
+
+
+def _kv_events(endpoint: str | None) -> Any:
+    """The KV event publisher, bound before the model loads (a busy port fails at once)."""
+    from hybridkv.cli import UsageError
+
+    if endpoint is None:
+        return None
+    try:
+        from hybridkv.server.kv_events import KvEvents
+
+        return KvEvents(endpoint)
+    except ImportError as e:
+        raise UsageError(f"--kv-events needs pyzmq and msgpack: pip install 'hybridkv[cluster]' ({e})") from None
+    except OSError as e:
+        raise UsageError(str(e)) from None
 
 
 def _check(args: argparse.Namespace) -> Any:
@@ -122,15 +190,42 @@ def _check(args: argparse.Namespace) -> Any:
     except AccessError as e:
         raise UsageError(str(e)) from None
     _check_tls(args.ssl_certfile, args.ssl_keyfile)
+    if args.kv_events is not None:
+        _check_kv_events(args.kv_events, access)
+    if args.replicas is not None:
+        from hybridkv.server.replicas import check_cluster_flags
+
+        check_cluster_flags(args, access)
     return access
+
+
+def _check_kv_events(endpoint: str, access: Any) -> None:
+    """A tcp://HOST:PORT endpoint; beyond loopback only as the HTTP port would be (keys or
+    --allow-unauthenticated), and with a warning: events are not authenticated."""
+    from hybridkv.cli import UsageError
+    from hybridkv.server.auth import AccessError, exposed_addresses
+
+    scheme, _, address = endpoint.partition("://")
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    if scheme not in ("tcp", "ipc") or (scheme == "tcp" and not (host and port.isdigit())):
+        raise UsageError(f"--kv-events {endpoint}: give tcp://HOST:PORT (or ipc://PATH)")
+    if scheme == "tcp":
+        try:
+            access.check_host(host, int(port))
+        except AccessError as e:
+            raise UsageError(str(e).replace("--host", "--kv-events", 1)) from None
+        if exposed_addresses(host, int(port)):
+            _warn(f"--kv-events {endpoint}: the events (prompt token ids) are not authenticated: keep them private")
 
 
 def _access(args: argparse.Namespace) -> Any:
     """The keys and limits the flags and HYBRIDKV_API_KEY ask for, checked against --host."""
-    from hybridkv.server.auth import ENV_VAR, Access, exposed_addresses, load_keys
+    from hybridkv.server.auth import ENV_VAR, ROUTER_KEY_VAR, Access, exposed_addresses, load_keys
 
     keys = load_keys(args.api_key or (), args.api_key_file, os.environ.get(ENV_VAR))
-    access = Access(keys, args.metrics_public, args.max_waiting_per_key, args.allow_unauthenticated)
+    router_key = os.environ.get(ROUTER_KEY_VAR)  # set by `serve --replicas` for its workers only
+    access = Access(keys, args.metrics_public, args.max_waiting_per_key, args.allow_unauthenticated, router_key)
     access.check_host(args.host, args.port)
     if args.api_key_file and Path(args.api_key_file).stat().st_mode & 0o077:
         _warn(f"--api-key-file {args.api_key_file} can be read by other users (chmod 600 it)")

@@ -37,6 +37,7 @@ class Generation:
         self.engine = engine
         self.requests = requests
         self.key = key  # the API key it came with (its index), if any
+        self.announced: int | None = None  # prompt tokens in blocks announced to the router (KV events)
         self._queue = queue
 
     @classmethod

@@ -22,6 +22,11 @@ PATHS = frozenset(
         "/api/show",
         "/api/ps",
         "/api/version",
+        "/tokenize",
+        "/server_info",
+        "/get_server_info",
+        "/model_info",
+        "/get_model_info",
     }
 )
 
@@ -44,7 +49,11 @@ _GAUGES = [
 _POOLS = ("kv", "state", "snapshot")
 
 
-def render(engine: Mapping[str, int], responses: Mapping[tuple[str, int], int], model_id: str) -> str:
+def render(
+    engine: Mapping[str, int], responses: Mapping[tuple[str, int], int], model_id: str, announced: int | None = None
+) -> str:
+    """The metrics text; `announced`: prompt tokens in blocks this worker had announced to a
+    router when each request came (with KV events on), to read against the cache's own count."""
     lines = [
         "# HELP hybridkv_model_info The model this server runs.",
         "# TYPE hybridkv_model_info gauge",
@@ -63,6 +72,10 @@ def render(engine: Mapping[str, int], responses: Mapping[tuple[str, int], int], 
         name = f"hybridkv_cache_bytes_{kind}"
         lines += [f"# HELP {name} Cache memory {kind}, by pool.", f"# TYPE {name} gauge"]
         lines += [f'{name}{{pool="{pool}"}} {engine.get(f"{pool}_bytes_{kind}", 0)}' for pool in _POOLS]
+    if announced is not None:
+        name = "hybridkv_prompt_tokens_announced_total"
+        lines += [f"# HELP {name} Prompt tokens the router could credit (announced blocks).", f"# TYPE {name} counter"]
+        lines.append(f"{name} {announced}")
     lines += [
         "# HELP hybridkv_http_responses_total HTTP answers by path and status.",
         "# TYPE hybridkv_http_responses_total counter",

@@ -42,6 +42,7 @@ from hybridkv.server.auth import api_key
 from hybridkv.server.fields import Fields, bad
 from hybridkv.server.generation import EventStream, Generation
 from hybridkv.server.parsing import Content, OutputParser, Piece, Reasoning, ToolCall, merge
+from hybridkv.server.router_compat import accept_router_fields
 from hybridkv.server.structured import openai_constraint
 from hybridkv.server.tool_calls import tool_schemas
 
@@ -176,15 +177,20 @@ def _int_list(body: Fields, key: str) -> list[int]:
     return items
 
 
-def _usage(usages: Sequence[Usage]) -> dict[str, Any]:
+def _usage(usages: Sequence[Usage], announced: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage; with KV events on, `announced_tokens` beside `cached_tokens`: the prompt
+    tokens the router could credit this worker with when it chose it (see `kv_events`)."""
     prompt = sum(u.prompt_tokens for u in usages)
     completion = sum(u.completion_tokens for u in usages)
     accepted = sum(u.accepted_tokens for u in usages)
+    details = {"cached_tokens": sum(u.cached_tokens for u in usages)}
+    if announced is not None:
+        details["announced_tokens"] = announced
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(u.cached_tokens for u in usages)},
+        "prompt_tokens_details": details,
         # Speculative decoding, in OpenAI's predicted-output fields: drafts verified and kept, and
         # drafts verified and rejected (their sum is every draft; none without --speculative).
         "completion_tokens_details": {
@@ -212,6 +218,7 @@ async def completions(request: Request) -> Response:
     prompts = _prompts(body.get("prompt"))
     options = _options(body, chat=False, echo=bool(body.boolean("echo")))
     body.refuse("suffix", "is not supported (no fill-in-the-middle)", allowed=("",))
+    accept_router_fields(body, chat=False)
     body.finish(HARMLESS)
     encoded = [p if isinstance(p, list) else await state.encode(p) for p in prompts]
     for ids in encoded:
@@ -231,7 +238,9 @@ async def completions(request: Request) -> Response:
         for p, output in enumerate(outputs)
         for c in output.outputs
     ]
-    return JSONResponse({**reply, "choices": choices, "usage": _usage([o.usage for o in outputs])})
+    return JSONResponse(
+        {**reply, "choices": choices, "usage": _usage([o.usage for o in outputs], generation.announced)}
+    )
 
 
 class _Echo:
@@ -330,7 +339,9 @@ async def _completion_chunks(
         if choice["text"] or event.finish_reason or options.logprobs:
             yield _sse({**reply, "choices": [choice], **({"usage": None} if options.include_usage else {})})
     if options.include_usage:
-        yield _sse({**reply, "choices": [], "usage": _usage([r.usage for r in generation.requests])})
+        yield _sse(
+            {**reply, "choices": [], "usage": _usage([r.usage for r in generation.requests], generation.announced)}
+        )
     yield "data: [DONE]\n\n"
 
 
@@ -366,7 +377,7 @@ async def chat_completions(request: Request) -> Response:
     state = _state(request)
     body = await state.read_json(request)
     state.check_model(body.string("model", required=True))
-    messages = _messages(body.array("messages", required=True))
+    messages = chat_messages(body.array("messages", required=True))
     tools = body.array("tools") or None
     constraint = openai_constraint(body, tools)  # response_format, tool_choice, parallel_tool_calls
     if constraint.calls == "none":
@@ -379,6 +390,7 @@ async def chat_completions(request: Request) -> Response:
     for name in ("functions", "function_call", "audio", "prediction", "reasoning_effort", "verbosity"):
         body.refuse(name)
     body.refuse("web_search_options")
+    accept_router_fields(body, chat=True)
     body.finish(HARMLESS)
 
     ids, hints = await state.encode_chat(messages, tools, **template_kwargs)
@@ -400,13 +412,13 @@ async def chat_completions(request: Request) -> Response:
     [output] = await generation.outputs(request)
     state.remember([output])
     choices = [chat_choice(state, c, options.logprobs, parse) for c in output.outputs]
-    answer = {**reply, "choices": choices, "usage": _usage([output.usage])}
+    answer = {**reply, "choices": choices, "usage": _usage([output.usage], generation.announced)}
     if options.prompt_logprobs is not None:
         answer["prompt_logprobs"] = vllm_prompt_logprobs(state, prompt_scores(output), options)
     return JSONResponse(answer)
 
 
-def _messages(items: list[Any] | None) -> list[dict[str, Any]]:
+def chat_messages(items: list[Any] | None) -> list[dict[str, Any]]:
     """OpenAI messages as chat-template messages: text parts joined, `developer` as `system`."""
     out = []
     for i, item in enumerate(items or []):
@@ -541,7 +553,9 @@ async def _chat_chunks(
             yield chunk(event.index, {}, finish="tool_calls" if calls[event.index] and finish == "stop" else finish)
     state.remember([r.output() for r in generation.requests])
     if options.include_usage:
-        yield _sse({**reply, "choices": [], "usage": _usage([r.usage for r in generation.requests])})
+        yield _sse(
+            {**reply, "choices": [], "usage": _usage([r.usage for r in generation.requests], generation.announced)}
+        )
     yield "data: [DONE]\n\n"
 
 

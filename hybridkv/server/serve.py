@@ -26,6 +26,7 @@ import uvicorn
 from hybridkv.engine.llm import LLM
 from hybridkv.server.app import create_app
 from hybridkv.server.auth import Access
+from hybridkv.server.kv_events import KvEvents
 
 log = logging.getLogger("hybridkv.server")
 
@@ -103,6 +104,7 @@ def make_server(
     grace: float = 5.0,
     access: Access | None = None,
     announce: Callable[[tuple[str, int]], None] | None = None,
+    kv_events: KvEvents | None = None,
     **uvicorn_options: Any,
 ) -> GracefulServer:
     """The server, not started. `uvicorn_options` go to `uvicorn.Config` (`ssl_certfile`,
@@ -110,7 +112,7 @@ def make_server(
     `access` does not cover."""
     access = access or Access()
     access.check_host(host, port)
-    app = create_app(llm, model_id, access=access)
+    app = create_app(llm, model_id, access=access, kv_events=kv_events)
     config = uvicorn.Config(
         app, host=host, port=port, lifespan="on", timeout_graceful_shutdown=int(grace) + 5, **uvicorn_options
     )
@@ -118,10 +120,17 @@ def make_server(
 
 
 def serve(
-    llm: LLM, model_id: str, sock: socket.socket, grace: float = 5.0, access: Access | None = None, **tls: Any
+    llm: LLM,
+    model_id: str,
+    sock: socket.socket,
+    grace: float = 5.0,
+    access: Access | None = None,
+    kv_events: KvEvents | None = None,
+    **tls: Any,
 ) -> None:
     """Serve on the bound socket `sock` until interrupted; the address is printed once it listens.
-    `tls`: uvicorn's `ssl_certfile` and `ssl_keyfile`."""
+    `kv_events`: a bound publisher for the prefix cache's blocks. `tls`: uvicorn's `ssl_certfile`
+    and `ssl_keyfile`."""
     access = access or Access()
     host, port = sock.getsockname()[:2]
     scheme = "https" if tls.get("ssl_certfile") else "http"
@@ -131,4 +140,4 @@ def serve(
         where = _url(*address, scheme=scheme)
         print(f"hybridkv: serving {llm.source.description} as model {model_id!r} on {where}{keys}", file=sys.stderr)
 
-    make_server(llm, model_id, host, port, grace, access, announce, **tls).run(sockets=[sock])
+    make_server(llm, model_id, host, port, grace, access, announce, kv_events, **tls).run(sockets=[sock])

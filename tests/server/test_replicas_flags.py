@@ -1,0 +1,72 @@
+"""What `serve --replicas` refuses before anything starts, each in one line naming the flag: a
+router that cannot carry the keys or TLS asked for, a policy the router lacks, flags serve sets
+itself. And --help names the default router and policy."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridkv.cli import main
+
+NO_MODEL = "/nonexistent/model"  # a refusal must come before the model would be looked for
+
+
+@pytest.fixture(autouse=True)
+def no_key_in_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HYBRIDKV_API_KEY", raising=False)
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--api-key", "k1", "--api-key", "k2"], "--router sglang takes one API key"),
+        (["--router", "vllm", "--host", "0.0.0.0", "--api-key", "k1"], "--router vllm listens on loopback only"),
+        (["--policy", "kv_aware"], "--policy kv_aware: --router sglang takes"),
+        (["--router", "vllm", "--policy", "manual"], "--policy manual"),
+        (["--kv-events", "tcp://127.0.0.1:5557"], "--kv-events"),
+        (["--threads", "1"], "--threads 1 cannot be split between 2 replicas"),
+        (["--host", "0.0.0.0"], "--allow-unauthenticated"),
+        (["--port", "0"], "--port 0 with --replicas"),
+    ],
+)
+def test_refused_before_anything_starts(capsys: pytest.CaptureFixture[str], flags: list[str], named: str) -> None:
+    pytest.importorskip("sglang_router", reason="the [cluster] extra is not installed")
+    assert main(["serve", "--replicas", "2", "--model", NO_MODEL, *flags]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and named in errors[0] and "not found" not in errors[0]
+
+
+def test_tls_with_vllm_is_refused() -> None:
+    """(Through main, the certificate files would be checked first: the check itself here.)"""
+    import argparse
+
+    from hybridkv.cli import UsageError
+    from hybridkv.server.auth import Access
+    from hybridkv.server.replicas import check_cluster_flags
+
+    args = argparse.Namespace(
+        replicas=2, router="vllm", policy=None, kv_events=None, threads=None, ssl_certfile="c.pem", host="127.0.0.1"
+    )
+    args.port = 8000
+    with pytest.raises(UsageError, match="--router vllm cannot serve TLS"):
+        check_cluster_flags(args, Access())
+
+
+def test_help_names_the_default_router_and_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "default sglang" in text and "cache_aware for sglang" in text and "kv_aware for vllm" in text
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "named"),
+    [("tcp://0.0.0.0:5557", "--kv-events 0.0.0.0 is reachable beyond"), ("udp://x", "give tcp://HOST:PORT")],
+)
+def test_a_kv_event_endpoint_is_checked_as_a_listener(
+    capsys: pytest.CaptureFixture[str], endpoint: str, named: str
+) -> None:
+    """The publisher is a listener too: beyond loopback it needs a key (or --allow-unauthenticated)."""
+    assert main(["serve", "--kv-events", endpoint, "--model", NO_MODEL]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and named in errors[0]
