@@ -40,6 +40,14 @@ class CacheTensors:
     snap_conv: list[torch.Tensor]
     snap_delta: list[torch.Tensor]
 
+    def live_states(self) -> tuple[torch.Tensor, ...]:
+        """Every per-slot recurrent state pool, in one fixed order (`saved_states` matches it)."""
+        return (*self.conv, *self.delta)
+
+    def saved_states(self) -> tuple[torch.Tensor, ...]:
+        """Every per-snapshot state pool, in the order of `live_states`."""
+        return (*self.snap_conv, *self.snap_delta)
+
 
 @dataclass(slots=True)
 class ForwardBatch:

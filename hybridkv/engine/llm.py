@@ -14,6 +14,7 @@ import torch
 from hybridkv.cache.config import CacheConfig
 from hybridkv.cached_model import CachedModel
 from hybridkv.engine.chat_template import REASONING_FIELDS, ChatTemplate
+from hybridkv.engine.disk_tier import open_disk_tier
 from hybridkv.engine.engine import Engine, EngineConfig
 from hybridkv.engine.request import Request, RequestOutput, StreamEvent
 from hybridkv.engine.sampling import SamplingParams
@@ -60,7 +61,12 @@ class LLM:
         cache: CacheConfig | None = None,
         engine: EngineConfig | None = None,
         quantize: str | None = None,
+        cache_dir: str | Path | None = None,
+        cache_disk: int | None = None,
     ) -> None:
+        """`cache_dir` / `cache_disk` (bytes; 0 off): the prefix cache's disk tier, off unless
+        either is given (`open_disk_tier` says the defaults of the other). `close()` writes what
+        is pending and stops it."""
         if model is None:
             from hybridkv.default_model import default_model_dir
 
@@ -94,8 +100,13 @@ class LLM:
             dtype_name = {torch.float32: "F32", torch.bfloat16: "BF16"}.get(self.cm.dtype, str(self.cm.dtype))
             self.quantization = quantize.upper() if quantize else dtype_name
         self.generation_config = {**generation_config, **self.source.sampling_defaults}  # ollama's params layer
-        self.engine = Engine(self.cm, self.tokenizer, engine, self.generation_config, cores)
+        disk = open_disk_tier(self.source, self.cm, quantize, cache_dir, cache_disk)
+        self.engine = Engine(self.cm, self.tokenizer, engine, self.generation_config, cores, disk)
         self._generated: OrderedDict[str, list[int]] = OrderedDict()
+
+    def close(self) -> None:
+        """Cancel what runs, write what the disk tier still has queued, stop the engine."""
+        self.engine.shutdown()
 
     # -- prompts ------------------------------------------------------------------------------
 
