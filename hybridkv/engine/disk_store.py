@@ -112,7 +112,7 @@ class DiskStore:
             make_private_dir(self.dir)
             mtime = os.stat(self.dir).st_mtime_ns
         if mtime != self._listed:
-            self._names = {e.name for e in os.scandir(self.dir) if e.name.endswith(SUFFIXES)}
+            self._names = {e.name for e in os.scandir(self.dir) if _is_cache_file(e.name)}
             self._listed = mtime
         return self._names
 
@@ -147,7 +147,7 @@ class DiskStore:
         return True
 
     def _write_file(self, name: str, *parts: bytes | memoryview, raw: bool = False) -> None:
-        tmp = self.dir / f".tmp-{os.getpid()}-{threading.get_ident()}-{name}"
+        tmp = self.dir / f".tmp-{os.getpid()}-{threading.get_ident()}-{name}.part"  # never a cache file's suffix
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "wb") as f:
@@ -241,12 +241,16 @@ def _cache_files(root: Path) -> Iterator[tuple[Path, float, int]]:
     for model in os.scandir(root):
         if model.is_dir(follow_symlinks=False):
             for entry in os.scandir(model.path):
-                if entry.name.endswith(SUFFIXES):
+                if _is_cache_file(entry.name):
                     try:
                         st = entry.stat()
                     except FileNotFoundError:
                         continue
                     yield Path(entry.path), st.st_mtime, st.st_size
+
+
+def _is_cache_file(name: str) -> bool:
+    return name.endswith(SUFFIXES) and not name.startswith(".")
 
 
 def _usage(root: Path) -> int:
@@ -264,7 +268,7 @@ def list_models(root: Path) -> list[dict[str, Any]]:
         about: dict[str, Any] = {}
         with suppress(OSError, ValueError):
             about = json.loads(Path(model.path, "model.json").read_text())
-        files = [e for e in os.scandir(model.path) if e.name.endswith(SUFFIXES)]
+        files = [e for e in os.scandir(model.path) if _is_cache_file(e.name)]
         stats = [e.stat() for e in files]
         rows.append(
             {

@@ -45,13 +45,15 @@ log = logging.getLogger("hybridkv.disk")
 # Bump when the layout of a block or state file, or what a state holds, changes.
 CACHE_FORMAT_VERSION = 1
 _HEADER_BYTES = 1 << 20  # of a GGUF file or another checkpoint file, hashed into the model key
+_SAMPLES = 16
 
 
 def model_key(source: ResolvedModel, cm: CachedModel, quantize: str | None) -> tuple[bytes, dict[str, Any]]:
     """The key every file of this model is written under, and a description of it: the
     checkpoint's file names, sizes and headers (the safetensors JSON header; a GGUF file's first
-    MiB, which holds its metadata; an ollama blob's name is its digest), the compute dtype, the
-    quantization, the cache's shapes and block size, and `CACHE_FORMAT_VERSION`. Never the weights."""
+    MiB, which holds its metadata; an ollama blob's name is its digest) plus 64 KiB sampled from
+    each file, the compute dtype, the quantization, the cache's shapes and block size, and
+    `CACHE_FORMAT_VERSION`. Never a hash of all the weights: the key costs milliseconds."""
     files = source.gguf_parts or tuple(sorted(p for p in source.path.iterdir() if p.is_file()))
     fingerprint = []
     for path in files:
@@ -72,13 +74,20 @@ def model_key(source: ResolvedModel, cm: CachedModel, quantize: str | None) -> t
 
 
 def _header_digest(path: Path) -> str:
+    """The file's header, and 16 samples of 4 KiB spread over it: two checkpoints of one shape
+    (a base model and its fine-tune) have equal headers and sizes, never equal samples."""
+    digest = hashlib.sha256()
+    size = path.stat().st_size
     with open(path, "rb") as f:
         if path.suffix == ".safetensors":  # 8 bytes of length, then the JSON header
             length = int.from_bytes(f.read(8), "little")
-            head = f.read(min(length, 64 << 20))
+            digest.update(f.read(min(length, 64 << 20)))
         else:
-            head = f.read(_HEADER_BYTES)
-    return hashlib.sha256(head).hexdigest()
+            digest.update(f.read(_HEADER_BYTES))
+        for i in range(_SAMPLES):
+            f.seek(size * i // _SAMPLES)
+            digest.update(f.read(4096))
+    return digest.hexdigest()
 
 
 def open_disk_tier(
