@@ -8,6 +8,7 @@ within a byte budget.
         model.json                what the key stands for (`hybridkv cache ls`)
         <prefix hash>.kv          the K/V rows of one block of tokens          0600
         <prefix hash>.state       the recurrent state after those tokens      0600
+        <text hash>.answer        the token ids of a generated answer (its text may not encode back to them)
         .tmp-*                    being written; a crash leaves one, the next writer deletes it
 
 Every file starts with a header (magic, model key, its own name, payload length, crc32): a
@@ -37,7 +38,7 @@ log = logging.getLogger("hybridkv.disk")
 
 MAGIC = b"HKVDISK1"
 HEADER = struct.Struct("<8s32s16sQI")  # magic, model key, file name digest, payload bytes, crc32
-SUFFIXES = (".kv", ".state")
+SUFFIXES = (".kv", ".state", ".answer")
 # Set by the fault tests: the writing process kills itself between a temp write and its rename.
 KILL_BEFORE_RENAME = "HYBRIDKV_TEST_KILL_BEFORE_RENAME"
 

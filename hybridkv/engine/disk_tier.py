@@ -324,6 +324,26 @@ class DiskTier:
             at += size
         return out
 
+    # -- generated answers --------------------------------------------------------------------
+
+    def save_answer(self, text: str, ids: list[int]) -> None:
+        """Keep the ids an answer was generated as: after a restart, a client sending the answer
+        back as text is encoded to those ids again (re-encoding text can differ), so its cached
+        prefix still matches. Any thread."""
+        if self._thread is not None:
+            self.store.write(self._answer_name(text), [array("i", ids).tobytes()])
+
+    def load_answer(self, text: str) -> list[int] | None:
+        payload = self.store.read(self._answer_name(text))
+        if payload is None:
+            return None
+        ids = array("i")
+        ids.frombytes(payload)
+        return ids.tolist()
+
+    def _answer_name(self, text: str) -> str:
+        return hashlib.blake2b(self.store.key + text.encode(), digest_size=16).hexdigest() + ".answer"
+
     def metrics(self) -> dict[str, float]:
         return {
             "disk_bytes_used": self.store.bytes_used,

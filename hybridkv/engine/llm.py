@@ -154,6 +154,10 @@ class LLM:
         `answers` is encoded to the ids it generated. The template may render the answer in pieces
         (Qwen3.6 with preserve_thinking rebuilds "<think>" + reasoning + "</think>" + content),
         so the generated text is looked for in the segment, newest first."""
+        disk = self.engine.disk
+        for answer in answers if disk is not None else ():  # generated before a restart
+            if answer not in self._generated and (saved := disk.load_answer(answer)) is not None:
+                self._generated[answer] = saved
         if answers:
             for generated, generated_ids in reversed(self._generated.items()):
                 if generated in segment and any(answer in generated for answer in answers):
@@ -171,6 +175,8 @@ class LLM:
             if completion.text:
                 self._generated[completion.text] = ids
                 self._generated.move_to_end(completion.text)
+                if self.engine.disk is not None:
+                    self.engine.disk.save_answer(completion.text, ids)
         while len(self._generated) > _REMEMBERED:
             self._generated.popitem(last=False)
 
