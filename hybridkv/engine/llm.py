@@ -155,9 +155,10 @@ class LLM:
         (Qwen3.6 with preserve_thinking rebuilds "<think>" + reasoning + "</think>" + content),
         so the generated text is looked for in the segment, newest first."""
         disk = self.engine.disk
-        for answer in answers if disk is not None else ():  # generated before a restart
-            if answer not in self._generated and (saved := disk.load_answer(answer)) is not None:
-                self._generated[answer] = saved
+        if disk is not None:  # answers generated before a restart
+            for answer in answers:
+                if answer not in self._generated and (saved := disk.load_answer(answer)) is not None:
+                    self._generated[answer] = saved
         if answers:
             for generated, generated_ids in reversed(self._generated.items()):
                 if generated in segment and any(answer in generated for answer in answers):
