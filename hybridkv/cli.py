@@ -103,6 +103,9 @@ def _parser() -> argparse.ArgumentParser:
     from hybridkv.server import cli as server_cli  # light: uvicorn and the model load when it runs
 
     server_cli.add_parser(commands)
+    from hybridkv import cache_cli
+
+    cache_cli.add_parser(commands)
     return parser
 
 
