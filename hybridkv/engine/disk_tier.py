@@ -272,6 +272,8 @@ class DiskTier:
         """A new sequence holding the longest prefix of `ids` (at most `limit` tokens, more than
         `better_than`) that the disk can restore: (sequence, tokens it holds), or None. Bad files
         are deleted and skipped. CacheFull (no room) before any change."""
+        if self._thread is None:  # closed
+            return None
         present = self.store.names()
         if not present:
             return None
@@ -334,6 +336,8 @@ class DiskTier:
             self.store.write(self._answer_name(text), [array("i", ids).tobytes()])
 
     def load_answer(self, text: str) -> list[int] | None:
+        if self._thread is None:
+            return None
         payload = self.store.read(self._answer_name(text))
         if payload is None:
             return None
