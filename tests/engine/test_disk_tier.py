@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -131,3 +132,38 @@ def test_two_conversations_of_ram_with_twenty_in_rotation(chat_model: tuple[Path
     assert max(computed["tight"][2]) < min(computed["tight"][0])  # only the new tokens, really
     assert len(tight.engine.index) == 2 and tight.engine.metrics()["prompt_tokens_disk"] > 0
     tight.close()
+
+
+def test_memory_pressure_drops_a_pending_write_and_never_waits_for_it(
+    chat_model: tuple[Path, Any], tmp_path: Path
+) -> None:
+    """Blocks wait pinned for the writer; when the cache needs room, the engine unpins them and
+    cancels the write instead of waiting: that entry is then simply not on disk."""
+    llm = make_llm(chat_model, tmp_path)
+    disk = llm.engine.disk
+    assert disk is not None
+    gate = threading.Event()
+    real_write = disk.store.write
+
+    def held_write(name: str, parts: Any) -> bool:
+        if name.endswith(".kv"):  # the writer thread's blocks wait; nothing else does
+            gate.wait(timeout=60)
+        return real_write(name, parts)
+
+    disk.store.write = held_write  # type: ignore[method-assign]
+    out = llm.chat(conversation(1, 1), GREEDY)
+    cache = llm.cm.cache
+    cache.check_integrity()  # pins are counted as references
+    held = cache.blocks.num_used
+    llm.engine.index.clear()
+    assert cache.blocks.num_used > 0  # the pending write still holds its blocks
+    while llm.engine._evict_one():  # what the engine does when a forward does not fit
+        pass
+    assert cache.blocks.num_used == 0 < held
+    cache.check_integrity()
+    gate.set()
+    disk.flush()
+    assert not list(tmp_path.glob("*/*.state"))  # at most the block being written when cancelled
+    again = llm.chat(conversation(1, 1), GREEDY)
+    assert again.outputs[0].token_ids == out.outputs[0].token_ids and again.usage.cached_tokens == 0
+    llm.close()
