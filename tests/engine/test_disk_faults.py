@@ -30,6 +30,7 @@ FIRST = [
     {"role": "user", "content": "What comes after the number forty-one, and why?"},
 ]
 ROOT = Path(__file__).resolve().parents[2]
+Messages = list[dict[str, str]]
 
 
 def make_llm(model: Path, cache_dir: Path | None, cache_disk: int | None = None) -> LLM:
@@ -39,13 +40,10 @@ def make_llm(model: Path, cache_dir: Path | None, cache_disk: int | None = None)
 
 
 @pytest.fixture(scope="module")
-def reference(chat_model: tuple[Path, Any]) -> tuple[list[dict[str, str]], list[int], list[int]]:
-    """The second turn's messages and what a fresh model without a disk tier answers to each turn
-    (the answer's text is encoded again, as a client sends it)."""
+def reference(chat_model: tuple[Path, Any]) -> Messages:
+    """The second turn's messages: the first turn, its answer, a new question."""
     first = make_llm(chat_model[0], None).chat(FIRST, GREEDY)
-    messages = [*FIRST, {"role": "assistant", "content": first.text}, {"role": "user", "content": "And then?"}]
-    second = make_llm(chat_model[0], None).chat(messages, GREEDY)
-    return messages, first.outputs[0].token_ids, second.outputs[0].token_ids
+    return [*FIRST, {"role": "assistant", "content": first.text}, {"role": "user", "content": "And then?"}]
 
 
 @pytest.fixture
@@ -60,15 +58,16 @@ def write_first_turn(model: Path, cache_dir: Path, cache_disk: int | None = None
     llm.close()
 
 
-def second_turn(model: Path, cache_dir: Path, reference: Any, cache_disk: int | None = None) -> int:
-    """Answer the second turn from `cache_dir` in a fresh LLM, check the answer; returns the prompt
-    tokens it computed."""
-    messages, _, want = reference
+def second_turn(model: Path, cache_dir: Path, messages: Messages, cache_disk: int | None = None) -> int:
+    """Answer the second turn from `cache_dir` in a fresh LLM and check the answer against a fresh
+    recompute of the same prompt ids; returns the prompt tokens it computed."""
     llm = make_llm(model, cache_dir, cache_disk)
+    ids, _ = llm.encode_chat(messages)  # the first answer's generated ids when the disk kept them
     out = llm.chat(messages, GREEDY)
-    assert out.outputs[0].token_ids == want
     llm.cm.cache.check_integrity()
     llm.close()
+    want = make_llm(model, None).generate(ids, GREEDY)[0]
+    assert out.outputs[0].token_ids == want.outputs[0].token_ids
     return out.usage.computed_tokens
 
 
@@ -80,7 +79,7 @@ def cached_bytes(cache_dir: Path) -> int:
     return sum(p.stat().st_size for suffix in (".kv", ".state") for p in files(cache_dir, suffix))
 
 
-def test_the_second_turn_comes_from_disk(chat_model: tuple[Path, Any], tmp_path: Path, reference: Any) -> None:
+def test_the_second_turn_comes_from_disk(chat_model: tuple[Path, Any], tmp_path: Path, reference: Messages) -> None:
     """The baseline the faults are measured against: a good directory saves the first turn."""
     write_first_turn(chat_model[0], tmp_path)
     computed_with_disk = second_turn(chat_model[0], tmp_path, reference)
@@ -93,7 +92,7 @@ def test_the_second_turn_comes_from_disk(chat_model: tuple[Path, Any], tmp_path:
 def test_a_bad_file_is_a_miss_deleted_and_logged(
     chat_model: tuple[Path, Any],
     tmp_path: Path,
-    reference: Any,
+    reference: Messages,
     disk_logs: pytest.LogCaptureFixture,
     fault: str,
     suffix: str,
@@ -123,7 +122,7 @@ def test_a_bad_file_is_a_miss_deleted_and_logged(
 
 
 def test_a_write_killed_before_its_rename(
-    chat_model: tuple[Path, Any], tmp_path: Path, reference: Any, disk_logs: pytest.LogCaptureFixture
+    chat_model: tuple[Path, Any], tmp_path: Path, reference: Messages, disk_logs: pytest.LogCaptureFixture
 ) -> None:
     script = textwrap.dedent(
         f"""
@@ -144,7 +143,7 @@ def test_a_write_killed_before_its_rename(
 
 
 def test_the_budget_reached_evicts_the_least_recently_used(
-    chat_model: tuple[Path, Any], tmp_path: Path, reference: Any, disk_logs: pytest.LogCaptureFixture
+    chat_model: tuple[Path, Any], tmp_path: Path, reference: Messages, disk_logs: pytest.LogCaptureFixture
 ) -> None:
     write_first_turn(chat_model[0], tmp_path)
     used = cached_bytes(tmp_path)
@@ -169,7 +168,7 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
 
 
 def test_a_full_disk(
-    chat_model: tuple[Path, Any], small_tmpfs: Path, reference: Any, disk_logs: pytest.LogCaptureFixture
+    chat_model: tuple[Path, Any], small_tmpfs: Path, reference: Messages, disk_logs: pytest.LogCaptureFixture
 ) -> None:
     write_first_turn(chat_model[0], small_tmpfs, cache_disk=1 << 30)
     assert any("the disk is full" in r.getMessage() for r in disk_logs.records)
