@@ -456,6 +456,11 @@ class HybridCache:
             s.slot = self.slots.alloc()
             for pool, saved in zip(self.tensors.live_states(), states, strict=True):
                 pool[s.slot].copy_(saved)
+            snap = s.ring.record(length - 1)  # a restore point, as the forward that computed it left one
+            if snap is not None:
+                for pool, saved in zip(self.tensors.saved_states(), states, strict=True):
+                    pool[snap].copy_(saved)
+                self.snapshots.mark_complete([snap])
         s.length = length
         return seq
 

@@ -79,6 +79,8 @@ def test_a_restored_prefix_gives_transformers_logits(chat_model: tuple[Path, Any
         with torch.no_grad():
             want = chat_model[1](torch.tensor([full])).logits[0, keep:].float()
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert fresh.cm.truncate(seq, keep) == keep  # the restored state is a restore point, as in RAM
+        fresh.cm.cache.check_integrity()
         fresh.cm.release(seq)
         fresh.cm.cache.check_integrity()
     fresh.close()
