@@ -142,7 +142,7 @@ def print_table(document: dict[str, Any], console: Any) -> None:
     if restart:
         r = s[restart[0]]
         notes.append(
-            f"{', '.join(restart)}: a fresh LLM restores {r['restored_tokens']} of the {r['prompt_tokens']} prompt "
+            f"{', '.join(restart)}: a new disk tier restores {r['restored_tokens']} of the {r['prompt_tokens']} prompt "
             f"tokens from its disk tier ({_mb(r['disk_bytes'])} on disk; cold: page cache dropped) in the hybridkv "
             "column; hybridkv computing the whole prompt, as a restart without a disk tier does, in the other"
         )

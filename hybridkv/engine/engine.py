@@ -3,8 +3,9 @@
 One step = the scheduler picks what to feed (a decode token for every running completion, then
 prompt chunks under the token budget), the model runs one forward for all of it, and the
 results are sampled, checked for stops and streamed. Finished and cancelled sequences go into
-the prefix index, so the next request sharing a prefix (the next turn of a chat, a shared system
-prompt, the same prompt sent again after a disconnect) computes only what is new.
+the prefix index (and, with a disk tier, to disk: `disk_tier.py`), so the next request sharing a
+prefix (the next turn of a chat, a shared system prompt, the same prompt sent again after a
+disconnect or a restart) computes only what is new.
 
 Prompt logprobs (`SamplingParams.prompt_logprobs`) are recomputed, never reused: a request that
 asks for them computes its whole prompt in fresh forwards, because positions served from the
