@@ -13,11 +13,13 @@ from typing import Any
 
 import torch
 
-from hybridkv import CacheConfig
+from hybridkv import CacheConfig, CachedModel
 from hybridkv.engine.disk_store import list_models
+from hybridkv.engine.disk_tier import open_disk_tier
 from hybridkv.engine.engine import EngineConfig
 from hybridkv.engine.llm import LLM
 from hybridkv.engine.sampling import SamplingParams
+from hybridkv.models.sources import resolve_model
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 SHORT = SamplingParams(max_tokens=2, temperature=0.0)
@@ -169,3 +171,32 @@ def test_memory_pressure_drops_a_pending_write_and_never_waits_for_it(
     again = llm.chat(conversation(1, 1), GREEDY)
     assert again.outputs[0].token_ids == out.outputs[0].token_ids and again.usage.cached_tokens == 0
     llm.close()
+
+
+def test_a_gguf_models_prefix_restores_to_a_fresh_recompute(tmp_path: Path) -> None:
+    """A quantized GGUF file (keyed by its name, size, metadata and samples): what one disk tier
+    wrote, another restores, and the logits after it equal a fresh recompute's."""
+    path = Path(__file__).resolve().parents[1] / "data" / "gguf" / "qwen35-tiny-q8_0.gguf"
+    source = resolve_model(path)
+    cm = CachedModel.load(source, cache=CacheConfig(max_sequences=3, max_model_len=128, snapshot_interval=16))
+    ids = torch.randint(0, cm.vocab_size, (70,), generator=torch.Generator().manual_seed(3)).tolist()
+    writer = open_disk_tier(source, cm, None, tmp_path)
+    assert writer is not None
+    seq = cm.new_sequence()
+    cm.feed({seq: ids[:50]}, logits="none", snapshot_at={seq: [40]})
+    writer.save(seq)
+    writer.close()
+    cm.release(seq)
+    reader = open_disk_tier(source, cm, None, tmp_path)
+    assert reader is not None
+    for limit, want_keep in ((69, 50), (45, 41)):  # the live state at 50, the snapshot after token 40
+        restored = reader.restore(ids, limit, better_than=0)
+        assert restored is not None and restored[1] == want_keep
+        got = cm.feed({restored[0]: ids[want_keep:]}, logits="all")[restored[0]]
+        cm.release(restored[0])
+        fresh = cm.new_sequence()
+        want = cm.feed({fresh: ids}, logits="all")[fresh][want_keep:]
+        cm.release(fresh)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        cm.cache.check_integrity()
+    reader.close()
