@@ -283,6 +283,13 @@ class CachedModel:
         self._refeed(seq, history[keep:p])
         return keep
 
+    def import_prefix(self, tokens: list[int], rows: list[list[torch.Tensor]], states: list[torch.Tensor]) -> int:
+        """A new sequence holding `tokens` from saved K/V rows and recurrent states (the disk
+        tier; `HybridCache.import_sequence` says the layout). CacheFull before any change."""
+        seq = self.cache.import_sequence(len(tokens), rows, states)
+        self._tokens[seq] = list(tokens)
+        return seq
+
     def _refeed(self, seq: int, ids: list[int]) -> None:
         if ids:
             self._counters["tokens_recomputed"] += len(ids)

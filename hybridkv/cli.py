@@ -95,6 +95,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--hide-thinking", action="store_true", help="print only the answer, not the reasoning")
     add_engine_flags(run)
+    add_disk_flags(run)
     run.set_defaults(run=_run_chat)
 
     from hybridkv import bench  # light: it imports its heavy parts (transformers, rich) when run
@@ -106,6 +107,9 @@ def _parser() -> argparse.ArgumentParser:
     from hybridkv import quantize_command  # light: the writer is imported when it runs
 
     quantize_command.add_parser(commands)
+    from hybridkv import cache_cli
+
+    cache_cli.add_parser(commands)
     return parser
 
 
@@ -177,10 +181,28 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
         raise UsageError(str(e).replace("num_speculative_tokens", "--num-speculative-tokens")) from None
 
 
+def add_disk_flags(parser: argparse.ArgumentParser) -> None:
+    """The prefix cache's disk tier (run, serve): on by default."""
+    parser.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        help="keep cached prompts (K/V blocks and recurrent states) on disk here, across restarts (default: "
+        "$XDG_CACHE_HOME/hybridkv/prefix, else ~/.cache/hybridkv/prefix; created 0700)",
+    )
+    parser.add_argument(
+        "--cache-disk",
+        metavar="SIZE",
+        default=os.environ.get(DISK_ENV),
+        help=f"disk budget of the prefix cache, e.g. 20GiB; 0 turns it off (default: ${DISK_ENV}, else min(10%% of "
+        "the free disk, 20 GiB))",
+    )
+
+
+DISK_ENV = "HYBRIDKV_CACHE_DISK"
 _SIZE_UNITS = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
 
 
-def parse_size(text: str) -> int:
+def parse_size(text: str, flag: str = "--cache-memory") -> int:
     """Bytes from "2GiB", "512MiB", "1.5GB" or a plain number."""
     number, scale = text.strip().upper(), 1
     for unit, factor in _SIZE_UNITS.items():  # longer suffixes first: "GIB" before "B"
@@ -192,12 +214,13 @@ def parse_size(text: str) -> int:
     except ValueError:
         value = -1.0
     if not value > 0:
-        raise UsageError(f"--cache-memory {text!r}: give bytes or a size like 512MiB or 2GiB")
+        raise UsageError(f"{flag} {text!r}: give bytes or a size like 512MiB or 2GiB")
     return int(value * scale)
 
 
 def llm_from_args(args: argparse.Namespace) -> LLM:
     """Build the LLM that `run` and `serve` drive, from the shared flags."""
+    from hybridkv.engine.disk_store import default_cache_dir
     from hybridkv.engine.engine import EngineConfig
     from hybridkv.engine.llm import LLM, default_cache_config  # noqa: F811 (lazy: torch loads slowly)
 
@@ -224,8 +247,21 @@ def llm_from_args(args: argparse.Namespace) -> LLM:
         kv_bytes=None if budget is None else budget * 7 // 10,
         snapshot_bytes=None if budget is None else budget * 3 // 10,
     )
+    cache_dir, cache_disk = None, None
+    if "cache_disk" in args:  # run and serve: the disk tier is on unless --cache-disk 0
+        off = args.cache_disk is not None and args.cache_disk.strip() in ("0", "0B")
+        cache_dir = args.cache_dir or default_cache_dir()
+        cache_disk = 0 if off else parse_size(args.cache_disk, "--cache-disk") if args.cache_disk else None
     try:
-        return LLM(source, dtype=args.dtype, cache=cache, engine=engine, quantize=args.quantize)
+        return LLM(
+            source,
+            dtype=args.dtype,
+            cache=cache,
+            engine=engine,
+            quantize=args.quantize,
+            cache_dir=cache_dir,
+            cache_disk=cache_disk,
+        )
     except BudgetTooSmall as e:
         raise UsageError(_budget_message(args, e)) from None
     except InsufficientMemory as e:
@@ -254,7 +290,11 @@ def _budget_message(args: argparse.Namespace, error: BudgetTooSmall) -> str:
 def _run_chat(args: argparse.Namespace) -> int:
     from hybridkv.chat import run_chat
 
-    return run_chat(args, llm_from_args(args))
+    llm = llm_from_args(args)
+    try:
+        return run_chat(args, llm)
+    finally:
+        llm.close()  # the conversation's cache reaches the disk before the process ends
 
 
 def _generate(args: argparse.Namespace) -> int:

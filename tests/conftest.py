@@ -1,9 +1,14 @@
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 import torch
+
+# `hybridkv run` and `serve` keep a disk cache under ~/.cache by default: the tests (and the
+# commands they start) run without one unless a test asks.
+os.environ["HYBRIDKV_CACHE_DISK"] = "0"
 
 
 @pytest.fixture(autouse=True)

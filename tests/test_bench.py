@@ -42,8 +42,14 @@ SCENARIOS = [
     "fork_n8",
     "json_schema_b1",
     "json_schema_b8",
-    *(f"{s}/{m}" for s in ("spec_code_edit_b1", "spec_free_text_b1", "spec_code_edit_b8") for m in ("ngram", "auto")),
+    *(
+        f"{s}/{m}"
+        for s in ("spec_code_edit_b1", "spec_free_text_b1", "spec_code_edit_b8")
+        for m in ("ngram", "mtp", "auto")
+    ),
     *(f"verify_w{w}" for w in range(1, 6)),
+    "chat_turn8_after_restart_ttft",
+    "chat_turn8_after_restart_ttft_warm",
 ]
 TINY_MODEL = {
     **BENCH_MODEL,
@@ -147,6 +153,16 @@ def test_regenerate_and_edit_reuse_the_conversation_while_transformers_recompute
     assert s["edit_last_message_ttft"]["hybridkv_tokens_computed"] == TINY_CHAT.user + TINY_CHAT.header
     for name in ("regenerate_ttft", "edit_last_message_ttft"):
         assert s[name]["transformers_tokens_computed"] == prompt
+
+
+def test_after_a_restart_the_history_comes_from_the_disk_tier(document):
+    s = document["scenarios"]
+    prompt = TINY_CHAT.prompt_len(TINY_CHAT.turns)
+    for name in ("chat_turn8_after_restart_ttft", "chat_turn8_after_restart_ttft_warm"):
+        assert s[name]["baseline"] == "full recompute" and s[name]["prompt_tokens"] == prompt
+        assert s[name]["restored_tokens"] == prompt - TINY_CHAT.user - TINY_CHAT.header  # the whole history
+        assert s[name]["disk_bytes"] > 0
+    assert s["chat_turn8_after_restart_ttft"]["target_ratio"] == 5.0
 
 
 def test_forks_share_the_prompt_until_they_write(document):

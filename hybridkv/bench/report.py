@@ -138,6 +138,14 @@ def print_table(document: dict[str, Any], console: Any) -> None:
             f"{', '.join(structured)}: the default model writing JSON under a schema (grammar mask in the batched "
             "sampler) in the hybridkv column, the same requests decoding freely in the transformers column"
         )
+    restart = [name for name, x in s.items() if x.get("baseline") == "full recompute"]
+    if restart:
+        r = s[restart[0]]
+        notes.append(
+            f"{', '.join(restart)}: a new disk tier restores {r['restored_tokens']} of the {r['prompt_tokens']} prompt "
+            f"tokens from its disk tier ({_mb(r['disk_bytes'])} on disk; cold: page cache dropped) in the hybridkv "
+            "column; hybridkv computing the whole prompt, as a restart without a disk tier does, in the other"
+        )
     notes.append(f"run: {run['seconds']:.0f} s{' (--quick)' if run['quick'] else ''}")
     for line in notes:
         console.print(line, highlight=False)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -64,6 +65,7 @@ class HybridCache:
         self._seqs: dict[int, _Sequence] = {}
         self._next_id = 0
         self._pending: _Pending | None = None
+        self._pinned: Counter[int] = Counter()  # block -> pins held (blocks a disk write still reads)
 
     def _allocate(self, device: str | torch.device) -> CacheTensors:
         s, z = self.spec, self.sizes
@@ -502,6 +504,88 @@ class HybridCache:
             else:
                 live[slot].copy_(saved[snap])
 
+    # -- export and import (the disk tier) -----------------------------------------------------
+
+    def block_table(self, seq: int) -> list[int]:
+        return list(self._get(seq).block_table)
+
+    def pin_blocks(self, blocks: Iterable[int]) -> None:
+        """Hold `blocks` (one reference each) while a reader outside the step loop copies them:
+        a held block is never freed, and shared blocks are copied before any write."""
+        for block in blocks:
+            self.blocks.incref(block)
+            self._pinned[block] += 1
+
+    def unpin_blocks(self, blocks: Iterable[int]) -> None:
+        for block in blocks:
+            self._pinned[block] -= 1
+            if not self._pinned[block]:
+                del self._pinned[block]
+            self.blocks.decref(block)
+
+    def restorable_states(self, seq: int, lengths: Iterable[int]) -> dict[int, list[torch.Tensor]]:
+        """Copies of the recurrent states (`live_states` order) after the first n tokens, for each
+        n in `lengths` that `seq` can restore exactly: its complete snapshots and its live state."""
+        s = self._get(seq)
+        wanted = set(lengths)
+        found: dict[int, list[torch.Tensor]] = {}
+        t = self.tensors
+        if s.length in wanted and s.live_valid and s.slot is not None:
+            found[s.length] = [pool[s.slot].clone() for pool in t.live_states()]
+        for pos, snap in s.ring.entries:
+            if pos + 1 in wanted and pos + 1 not in found and self.snapshots.is_complete(snap):
+                found[pos + 1] = [pool[snap].clone() for pool in t.snapshot_states()]
+        return found
+
+    def restore_lengths(self, seq: int) -> list[int]:
+        """Every n whose state `restorable_states` can give: complete snapshots and the live length."""
+        s = self._get(seq)
+        lengths = {pos + 1 for pos, snap in s.ring.entries if self.snapshots.is_complete(snap)}
+        if s.live_valid and s.slot is not None:
+            lengths.add(s.length)
+        return sorted(lengths)
+
+    def import_sequence(self, length: int, rows: list[list[torch.Tensor]], states: list[torch.Tensor]) -> int:
+        """A new sequence of `length` tokens from saved data: `rows[b]` is block b's K/V rows,
+        `[key of attention layer 0, ..., value of layer 0, ...]` each `[n_b, Hkv, hd]`; `states` the
+        recurrent state after token length-1 (`live_states` order). CacheFull before any change."""
+        bs = self.config.block_size
+        n_blocks = math.ceil(length / bs)
+        pools = (*self.tensors.key, *self.tensors.value)
+        if length < 1 or len(rows) != n_blocks:
+            raise ValueError(f"{len(rows)} blocks of rows do not hold {length} tokens")
+        for b, block_rows in enumerate(rows):
+            n = min(bs, length - b * bs)
+            if [tuple(r.shape) for r in block_rows] != [(n, *pool.shape[2:]) for pool in pools]:
+                raise ValueError(f"block {b}: saved rows do not fit this cache's KV shapes")
+        if [tuple(t.shape) for t in states] != [tuple(pool.shape[1:]) for pool in self.tensors.live_states()]:
+            raise ValueError("saved states do not fit this cache's recurrent state shapes")
+        if len(self._seqs) >= self.config.max_sequences:
+            raise CacheFull(f"{len(self._seqs)} sequences are live (CacheConfig.max_sequences)")
+        if n_blocks > self.blocks.num_free:
+            raise CacheFull(f"KV cache full: restoring {length} tokens needs {n_blocks} blocks")
+        linear = self.spec.num_linear_layers > 0
+        if linear and self.slots.num_free < 1:
+            raise CacheFull("state slots full: restoring a sequence needs a free slot")
+        seq = self.add_sequence()
+        s = self._seqs[seq]
+        for block_rows in rows:
+            block = self.blocks.alloc()
+            s.block_table.append(block)
+            for pool, saved in zip(pools, block_rows, strict=True):
+                pool[block, : len(saved)].copy_(saved)
+        if linear:
+            s.slot = self.slots.alloc()
+            for pool, saved in zip(self.tensors.live_states(), states, strict=True):
+                pool[s.slot].copy_(saved)
+            snap = s.ring.record(length - 1)  # a restore point, as the forward that computed it left one
+            if snap is not None:
+                for pool, saved in zip(self.tensors.snapshot_states(), states, strict=True):
+                    pool[snap].copy_(saved)
+                self.snapshots.mark_complete([snap])
+        s.length = length
+        return seq
+
     # -- integrity and accounting -------------------------------------------------------------
 
     def check_integrity(self) -> None:
@@ -530,6 +614,8 @@ class HybridCache:
             for pos, _ in s.ring.entries:
                 if pos >= s.length and self._pending is None:
                     raise IntegrityError(f"sequence {seq}: snapshot at {pos} beyond length {s.length}")
+        for block, pins in self._pinned.items():
+            block_refs[block] = block_refs.get(block, 0) + pins
         self.blocks.check(block_refs)
         self.slots.check(slot_refs)
         self.verify_rows.check(row_refs)

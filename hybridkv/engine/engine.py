@@ -3,8 +3,9 @@
 One step = the scheduler picks what to feed (a decode token for every running completion, then
 prompt chunks under the token budget), the model runs one forward for all of it, and the
 results are sampled, checked for stops and streamed. Finished and cancelled sequences go into
-the prefix index, so the next request sharing a prefix (the next turn of a chat, a shared system
-prompt, the same prompt sent again after a disconnect) computes only what is new.
+the prefix index (and, with a disk tier, to disk: `disk_tier.py`), so the next request sharing a
+prefix (the next turn of a chat, a shared system prompt, the same prompt sent again after a
+disconnect or a restart) computes only what is new.
 
 Prompt logprobs (`SamplingParams.prompt_logprobs`) are recomputed, never reused: a request that
 asks for them computes its whole prompt in fresh forwards, because positions served from the
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 
 from hybridkv.cached_model import CachedModel, LogitsMode
+from hybridkv.engine.disk_tier import DiskTier
 from hybridkv.engine.grammar import GrammarError, Grammars
 from hybridkv.engine.prefix_index import PrefixIndex
 from hybridkv.engine.request import Branch, Completion, FinishReason, Request, StreamEvent
@@ -81,9 +83,11 @@ class Engine:
         config: EngineConfig | None = None,
         generation_config: Mapping[str, Any] | None = None,
         cores: IdleCores | None = None,
+        disk: DiskTier | None = None,
     ) -> None:
         """`cores`: the thread governor, made before the model was loaded (`LLM` does); with
-        `adapt_threads` and none given, one is made here."""
+        `adapt_threads` and none given, one is made here. `disk`: the tier under the prefix index
+        (with prefix caching only)."""
         self.cm = cm
         self.tokenizer = tokenizer
         self.config = config = config or EngineConfig()
@@ -111,6 +115,7 @@ class Engine:
         if cached is None:
             cached = cache.max_sequences - config.max_num_seqs
         self.index = PrefixIndex(cm, cached if config.prefix_caching else 0)
+        self.disk = disk if config.prefix_caching else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.counters: Counter[str] = Counter()
@@ -181,6 +186,8 @@ class Engine:
         self._drain_inbox()
         for request in [*self.running, *self.waiting]:
             self._cancel(request)
+        if self.disk is not None:  # what entered the index goes to disk before the process ends
+            self.disk.close()
 
     def _loop(self) -> None:
         while True:
@@ -211,11 +218,15 @@ class Engine:
         out["requests_waiting"] = len(self.waiting) + len(self._inbox)
         out["cached_sequences"] = len(self.index)
         out.update(self.cm.cache.memory())
+        if self.disk is not None:
+            out.update(self.disk.metrics())  # type: ignore[arg-type]  # seconds are floats
         return out
 
     # -- the step -----------------------------------------------------------------------------
 
     def step(self) -> None:
+        if self.disk is not None:
+            self.disk.release_written()
         self._drain_inbox()
         self._admit()
         feeds, plan, snapshots, modes = self._plan()
@@ -387,7 +398,7 @@ class Engine:
                         reserved += math.ceil((now + len(branch.backlog) + ahead) / bs) - math.ceil(now / bs)
             if self.cm.cache.blocks.num_free - reserved >= need:
                 return True
-            if not self.index.evict_one():
+            if not self._evict_one():
                 return False
         return True
 
@@ -430,27 +441,33 @@ class Engine:
                     self.cm.release(undo.seq)
                     undo.seq = None
                 return False
-            branch.seq, keep = placed
+            branch.seq, keep, from_disk = placed
             branch.placed, branch.intact = keep, True
             branch.backlog, branch.pending = ids[keep:], pending
             made.append(branch)
             if fresh:
                 request.usage.cached_tokens = keep
-                self.counters["prompt_tokens_cached"] += keep
+                self.counters["prompt_tokens_disk" if from_disk else "prompt_tokens_cached"] += keep
         return True
 
-    def _sequence_for(self, ids: list[int], limit: int) -> tuple[int, int] | None:
+    def _sequence_for(self, ids: list[int], limit: int) -> tuple[int, int, bool] | None:
         """A sequence holding the longest restorable prefix of `ids` (at most `limit` tokens):
-        forked from a finished sequence in the index or a running one, else new. Returns
-        (sequence, tokens it holds), or None when the cache has no room even after evictions."""
+        forked from a finished sequence in the index or a running one, read from the disk tier,
+        else new. Returns (sequence, tokens it holds, from disk), or None when the cache has no
+        room even after evictions."""
         while True:
             try:
                 source = self._best_source(ids, limit) if self.config.prefix_caching else None
+                keep = self.cm.restore_point(*source) if source is not None else 0
+                if self.disk is not None and limit > keep:
+                    restored = self.disk.restore(ids, limit, better_than=keep)
+                    if restored is not None:
+                        return (*restored, True)
                 if source is not None:
-                    return self.cm.fork_prefix(*source)
-                return self.cm.new_sequence(), 0
+                    return (*self.cm.fork_prefix(*source), False)
+                return self.cm.new_sequence(), 0, False
             except CacheFull:
-                if not self.index.evict_one():
+                if not self._evict_one():
                     return None
 
     def _best_source(self, ids: list[int], limit: int) -> tuple[int, int] | None:
@@ -576,7 +593,7 @@ class Engine:
             try:
                 return self.cm.fork(seq)
             except CacheFull:
-                if not self.index.evict_one():
+                if not self._evict_one():
                     raise
 
     def _sample(self, rows: list[tuple[Request, Branch, torch.Tensor]]) -> None:
@@ -632,6 +649,8 @@ class Engine:
             self._settle(request, branch)  # only verified tokens stay in the sequence
         if branch.seq is not None:
             if keep and self.config.prefix_caching:
+                if self.disk is not None:
+                    self.disk.save(branch.seq)
                 self.index.insert(branch.seq)
             else:
                 self.cm.release(branch.seq)
@@ -682,10 +701,17 @@ class Engine:
         """Did `branch`'s sequence compute tokens beyond what it reused, all forwards complete?"""
         return branch.seq is not None and branch.intact and self.cm.length(branch.seq) > branch.placed
 
+    def _evict_one(self) -> bool:
+        """Make room in the cache: unpin what the disk writer has copied, else drop a cached
+        sequence, else cancel the disk writes still pending. False when nothing was freed."""
+        if self.disk is not None and self.disk.release_written():
+            return True
+        return self.index.evict_one() or (self.disk is not None and self.disk.drop_pending())
+
     def _relieve_pressure(self) -> None:
         """The forward did not fit: drop a cached sequence, else preempt the newest request (its
         sequences are released; it resumes later by recomputing, sampling state intact)."""
-        if self.index.evict_one():
+        if self._evict_one():
             return
         victim = self.running[-1]
         if len(self.running) == 1:

@@ -15,6 +15,7 @@ import torch
 from hybridkv.cache.config import CacheConfig
 from hybridkv.cached_model import CachedModel
 from hybridkv.engine.chat_template import REASONING_FIELDS, ChatTemplate
+from hybridkv.engine.disk_tier import open_disk_tier
 from hybridkv.engine.engine import Engine, EngineConfig
 from hybridkv.engine.request import Request, RequestOutput, StreamEvent
 from hybridkv.engine.sampling import SamplingParams
@@ -84,7 +85,12 @@ class LLM:
         quantize: str | None = None,
         speculative: str | None = None,
         num_speculative_tokens: int | None = None,
+        cache_dir: str | Path | None = None,
+        cache_disk: int | None = None,
     ) -> None:
+        """`cache_dir` / `cache_disk` (bytes; 0 off): the prefix cache's disk tier, off unless
+        either is given (`open_disk_tier` says the defaults of the other). `close()` writes what
+        is pending and stops it."""
         if model is None:
             from hybridkv.default_model import default_model_dir
 
@@ -122,8 +128,13 @@ class LLM:
             dtype_name = {torch.float32: "F32", torch.bfloat16: "BF16"}.get(self.cm.dtype, str(self.cm.dtype))
             self.quantization = quantize.upper() if quantize else dtype_name
         self.generation_config = {**generation_config, **self.source.sampling_defaults}  # ollama's params layer
-        self.engine = Engine(self.cm, self.tokenizer, engine, self.generation_config, cores)
+        disk = open_disk_tier(self.source, self.cm, quantize, cache_dir, cache_disk)
+        self.engine = Engine(self.cm, self.tokenizer, engine, self.generation_config, cores, disk)
         self._generated: OrderedDict[str, list[int]] = OrderedDict()
+
+    def close(self) -> None:
+        """Cancel what runs, write what the disk tier still has queued, stop the engine."""
+        self.engine.shutdown()
 
     # -- prompts ------------------------------------------------------------------------------
 
@@ -171,6 +182,11 @@ class LLM:
         `answers` is encoded to the ids it generated. The template may render the answer in pieces
         (Qwen3.6 with preserve_thinking rebuilds "<think>" + reasoning + "</think>" + content),
         so the generated text is looked for in the segment, newest first."""
+        disk = self.engine.disk
+        if disk is not None:  # answers generated before a restart
+            for answer in answers:
+                if answer not in self._generated and (saved := disk.load_answer(answer)) is not None:
+                    self._generated[answer] = saved
         if answers:
             for generated, generated_ids in reversed(self._generated.items()):
                 if generated in segment and any(answer in generated for answer in answers):
@@ -188,6 +204,8 @@ class LLM:
             if completion.text:
                 self._generated[completion.text] = ids
                 self._generated.move_to_end(completion.text)
+                if self.engine.disk is not None:
+                    self.engine.disk.save_answer(completion.text, ids)
         while len(self._generated) > _REMEMBERED:
             self._generated.popitem(last=False)
 

@@ -18,7 +18,7 @@ DEFAULT_MODEL_ID = "hybridkv-default"
 
 def add_parser(commands: Any) -> None:
     """Register `serve` on the CLI's subparsers; uvicorn and the model load when it runs."""
-    from hybridkv.cli import add_engine_flags
+    from hybridkv.cli import add_disk_flags, add_engine_flags
     from hybridkv.server.replicas import add_cluster_flags
 
     serve = commands.add_parser(
@@ -29,6 +29,7 @@ def add_parser(commands: Any) -> None:
         "/api/version; /health and /metrics (Prometheus).",
     )
     add_engine_flags(serve)
+    add_disk_flags(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument(
         "--port", type=int, default=8000, help="port to listen on (default 8000; 0: a free one, shown when serving)"

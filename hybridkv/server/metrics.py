@@ -38,6 +38,9 @@ _COUNTERS = [
     ("tokens_generated", "hybridkv_generation_tokens_total", "Tokens generated.", ""),
     ("prompt_tokens_computed", "hybridkv_prompt_tokens_total", "Prompt tokens by origin.", 'source="computed"'),
     ("prompt_tokens_cached", "hybridkv_prompt_tokens_total", "", 'source="cache"'),
+    ("prompt_tokens_disk", "hybridkv_prompt_tokens_total", "", 'source="disk"'),
+    ("disk_read_seconds", "hybridkv_disk_read_seconds_total", "Seconds reading the prefix cache's disk tier.", ""),
+    ("disk_write_seconds", "hybridkv_disk_write_seconds_total", "Seconds writing the prefix cache's disk tier.", ""),
     ("preemptions", "hybridkv_preemptions_total", "Requests preempted to make room in the cache.", ""),
     ("steps", "hybridkv_engine_steps_total", "Engine steps (forwards).", ""),
 ]
@@ -45,6 +48,7 @@ _GAUGES = [
     ("requests_running", "hybridkv_requests_running", "Requests being computed."),
     ("requests_waiting", "hybridkv_requests_waiting", "Requests queued, not yet admitted."),
     ("cached_sequences", "hybridkv_cached_sequences", "Finished sequences kept for prefix reuse."),
+    ("disk_bytes_used", "hybridkv_disk_bytes_used", "Bytes the prefix cache's disk tier holds (all models)."),
 ]
 _POOLS = ("kv", "state", "snapshot")
 
