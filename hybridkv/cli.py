@@ -162,8 +162,8 @@ def add_speculative_flags(parser: argparse.ArgumentParser) -> None:
         choices=SPEC_METHODS,
         default="off",
         help="speculative decoding, exact (the output is what plain decoding gives): ngram = prompt lookup, mtp = "
-        "the model's multi-token-prediction block, auto = mtp if the model has one else ngram, drafting fewer "
-        "tokens or none where drafts fail (default off)",
+        "the model's multi-token-prediction block, auto = ngram drafting fewer tokens or none where drafts fail "
+        "(default off)",
     )
     parser.add_argument(
         "--num-speculative-tokens",

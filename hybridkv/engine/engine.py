@@ -497,7 +497,7 @@ class Engine:
         spec = self.config.speculative
         if not spec.enabled:
             return None
-        mtp = spec.method == "mtp" or (spec.method == "auto" and self.cm.has_mtp)
+        mtp = spec.method == "mtp"  # auto drafts by lookup: MTP drafting costs more than it saves so far
         return BranchDrafts(
             index=None if mtp else NgramIndex(spec.ngram_min, spec.ngram_max),
             adaptive=AdaptiveDraft(spec.num_tokens) if spec.method == "auto" else None,

@@ -267,12 +267,5 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _wants_mtp(engine: EngineConfig, source: ResolvedModel) -> bool:
-    """Load the MTP block for `--speculative mtp`, and for `auto` when the checkpoint has one."""
-    method = engine.speculative.method
-    if method == "mtp":
-        return True
-    if method != "auto" or source.is_gguf:
-        return False
-    config = _read_json(source.path / "config.json")
-    text = config.get("text_config", config)
-    return bool(text.get("num_nextn_predict_layers") or text.get("mtp_num_hidden_layers"))
+    """Load the MTP block for `--speculative mtp` (`auto` drafts by prompt lookup)."""
+    return engine.speculative.method == "mtp" and not source.is_gguf
