@@ -322,27 +322,26 @@ class HybridCache:
         interval = self.config.snapshot_interval
         for p in range(v.start, length) if interval and s.ring.capacity else ():
             if (p + 1) % interval == 0 and (snap := s.ring.record(p)) is not None:
-                self._copy_state(self._verify_row(v, p, s), snap, to_snapshot=True)
+                self._save_state(snap, self._verify_row(v, p), s.slot)
                 self.snapshots.mark_complete([snap])
         if length < s.length:
             self._cut_blocks(s, length)
             s.length = length
-            if s.slot is not None:
-                self._copy_state(self._verify_row(v, length - 1, s), s.slot, to_snapshot=False)
+            if s.slot is not None:  # length - 1 is not the last position fed: a verify row holds it
+                self._load_slot(s.slot, self._verify_row(v, length - 1))
         self._drop_verify(s)
 
-    def _verify_row(self, v: _Verify, p: int, s: _Sequence) -> tuple[str, int]:
-        """Where the state after position p of a verify forward is: a verify row, or the live slot."""
-        if p - v.start < len(v.rows):
-            return "snap", self.sizes.num_snapshots + v.rows[p - v.start]
-        assert s.slot is not None
-        return "live", s.slot
+    def _verify_row(self, v: _Verify, p: int) -> int | None:
+        """The snapshot-tensor row holding the state after position p of a verify forward; None
+        for its last position, whose state is the live slot's."""
+        i = p - v.start
+        return self.sizes.num_snapshots + v.rows[i] if i < len(v.rows) else None
 
-    def _copy_state(self, source: tuple[str, int], dest: int, to_snapshot: bool) -> None:
+    def _save_state(self, snap: int, row: int | None, slot: int | None) -> None:
+        """Fill snapshot `snap` from snapshot-tensor row `row`, or from live `slot` when None."""
         t = self.tensors
-        for live, snap in zip(t.live_states(), t.snapshot_states(), strict=True):
-            src = (snap if source[0] == "snap" else live)[source[1]]
-            (snap if to_snapshot else live)[dest].copy_(src)
+        for live, saved in zip(t.live_states(), t.snapshot_states(), strict=True):
+            saved[snap].copy_(saved[row] if row is not None else live[slot])
 
     def _drop_verify(self, s: _Sequence) -> None:
         if s.verify is not None:

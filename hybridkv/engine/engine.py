@@ -349,13 +349,13 @@ class Engine:
             self.counters[f"spec_draft_tokens_{position}"] += 1
         if spec.adaptive is not None:
             spec.adaptive.update(len(spec.drafts), accepted)
-        spec.start, spec.drafts = -1, []
+        spec.end_verify()
 
     def _drop_drafts(self, plan: list[tuple[Request, Branch, int, bool, bool]]) -> None:
         """The forward did not run (or failed): its verifies never happened."""
         for _, branch, *_ in plan:
             if branch.spec is not None:
-                branch.spec.start, branch.spec.drafts = -1, []
+                branch.spec.end_verify()
 
     def _drain_inbox(self) -> None:
         with self._lock:

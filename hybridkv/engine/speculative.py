@@ -130,3 +130,6 @@ class BranchDrafts:
     @property
     def verifying(self) -> bool:
         return self.start >= 0
+
+    def end_verify(self) -> None:
+        self.start, self.drafts = -1, []
