@@ -31,7 +31,18 @@ from hybridkv.bench.workload import (
 from hybridkv.models import ModelConfig
 from hybridkv.ops import native
 
-SCENARIOS = [
+
+def scenario_names(spec_methods: tuple[str, ...] = ("ngram", "mtp", "auto"), spec_k: int = 4) -> list[str]:
+    """Every scenario a run reports, in order, for the drafts it measures and their k."""
+    return [
+        *BASE_SCENARIOS[:10],
+        *(f"{s}/{m}" for s in ("spec_code_edit_b1", "spec_free_text_b1", "spec_code_edit_b8") for m in spec_methods),
+        *(f"verify_w{w}" for w in range(1, spec_k + 2) if spec_methods),
+        *BASE_SCENARIOS[10:],
+    ]
+
+
+BASE_SCENARIOS = [
     "prefill_512",
     "prefill_2048",
     "decode_b1",
@@ -42,15 +53,10 @@ SCENARIOS = [
     "fork_n8",
     "json_schema_b1",
     "json_schema_b8",
-    *(
-        f"{s}/{m}"
-        for s in ("spec_code_edit_b1", "spec_free_text_b1", "spec_code_edit_b8")
-        for m in ("ngram", "mtp", "auto")
-    ),
-    *(f"verify_w{w}" for w in range(1, 6)),
     "chat_turn8_after_restart_ttft",
     "chat_turn8_after_restart_ttft_warm",
 ]
+SCENARIOS = scenario_names()
 TINY_MODEL = {
     **BENCH_MODEL,
     "vocab_size": 128,
@@ -118,11 +124,17 @@ def document(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     shape = TINY_SHAPES[request.param]
     # One family built in a temporary directory (the default), the other in a cache directory.
     cache = tmp_path_factory.mktemp("bench-cache") if request.param == "qwen3_5_text" else None
-    return bench.run(None, torch.float32, TINY_PLAN, log=lambda line: None, shape=shape, limits=LIMITS, cache_dir=cache)
+    # ... and one with every draft at k = 4, the other with `--speculative ngram --num-speculative-tokens 2`.
+    plan = TINY_PLAN.replace(spec_methods=("ngram",), spec_k=2) if cache else TINY_PLAN
+    return bench.run(None, torch.float32, plan, log=lambda line: None, shape=shape, limits=LIMITS, cache_dir=cache)
 
 
 def test_every_scenario_reports_both_engines_a_unit_and_a_ratio(document):
-    assert list(document["scenarios"]) == SCENARIOS
+    ran = document["run"]["plan"]
+    methods = ["ngram", "mtp", "auto"] if ran["spec_k"] == 4 else ["ngram"]
+    assert ran["spec_methods"] == methods
+    assert list(document["scenarios"]) == scenario_names(tuple(methods), ran["spec_k"])
+    assert document["scenarios"]["spec_code_edit_b1/ngram"]["k"] == ran["spec_k"]
     for name, s in document["scenarios"].items():
         assert s["hybridkv"] > 0 and s["transformers"] > 0, name
         assert s["unit"] in ("tok/s", "ms/token", "ms", "ms/step"), name
@@ -203,7 +215,7 @@ def test_table_and_json_file(document, tmp_path):
     out = io.StringIO()
     print_table(document, Console(file=out, width=200))
     text = out.getvalue()
-    for name in SCENARIOS:
+    for name in document["scenarios"]:
         assert name in text
     assert "memory read 30.0 GB/s" in text
     path = tmp_path / "bench.json"
@@ -230,6 +242,15 @@ def test_without_transformers_the_command_says_what_to_install(monkeypatch, caps
     assert cli.main(["bench", "--quick"]) == 2
     err = capsys.readouterr().err
     assert "transformers" in err and "pip install" in err
+
+
+def test_bench_speculation_flags(capsys):
+    assert cli.main(["bench", "--num-speculative-tokens", "0", "--quick"]) == 2
+    assert "--num-speculative-tokens must be an int in 1..16" in capsys.readouterr().err
+    args = cli._parser().parse_args(["bench", "--speculative", "off"])
+    assert bench._speculation(args) == {"spec_methods": (), "spec_k": 4}
+    args = cli._parser().parse_args(["bench", "--speculative", "mtp", "--num-speculative-tokens", "3"])
+    assert bench._speculation(args) == {"spec_methods": ("mtp",), "spec_k": 3}
 
 
 def test_a_missing_model_directory_is_a_usage_error(tmp_path, capsys):

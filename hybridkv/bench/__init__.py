@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hybridkv.engine.speculative import SPEC_METHODS
 from hybridkv.errors import NotSupported
 
 if TYPE_CHECKING:
@@ -105,6 +106,20 @@ def add_parser(commands: Any) -> None:
         action="store_true",
         help="fewer repetitions: about 50 s instead of about 60 s on an idle 2-core machine",
     )
+    bench.add_argument(
+        "--speculative",
+        choices=[*SPEC_METHODS, "all"],
+        default="all",
+        help="the draft the spec_* scenarios measure against plain decoding: ngram, mtp, auto, all three (the "
+        "default) or off (no spec_* or verify_w* scenarios)",
+    )
+    bench.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=4,
+        metavar="K",
+        help="tokens drafted per verify in spec_*; verify_w* times widths 1..K+1 (default 4)",
+    )
     bench.add_argument("--json", metavar="PATH", type=Path, help="also write the figures to PATH as JSON")
     bench.set_defaults(run=main)
 
@@ -124,11 +139,12 @@ def main(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"--model {args.model}: no such directory")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    plan = (QUICK if args.quick else FULL).replace(**_speculation(args))
     try:
         document = run(
             Path(args.model) if args.model else None,
             DTYPES[args.dtype],
-            QUICK if args.quick else FULL,
+            plan,
             log=lambda line: err.print(line, style="dim", highlight=False),
             quick=args.quick,
             shape=SHAPES[args.shape],
@@ -145,6 +161,20 @@ def main(args: argparse.Namespace) -> int:
         out = Console(width=160)
     print_table(document, out)
     return 0
+
+
+def _speculation(args: argparse.Namespace) -> dict[str, Any]:
+    """--speculative and --num-speculative-tokens as Plan fields (a bad K is a usage error)."""
+    from hybridkv.cli import UsageError
+    from hybridkv.engine.speculative import SpeculativeConfig
+
+    k = args.num_speculative_tokens
+    methods = {"all": ("ngram", "mtp", "auto"), "off": ()}.get(args.speculative, (args.speculative,))
+    try:
+        SpeculativeConfig("ngram", k)
+    except ValueError as e:
+        raise UsageError(str(e).replace("num_speculative_tokens", "--num-speculative-tokens")) from None
+    return {"spec_methods": methods, "spec_k": k}
 
 
 def _main_llama_cpp(args: argparse.Namespace, err: Any) -> int:
@@ -197,7 +227,6 @@ def run(
     from hybridkv.bench.machine import Limits, WeightCounts  # noqa: F811 (TYPE_CHECKING import above)
     from hybridkv.bench.report import to_json
     from hybridkv.bench.scenarios import Bench
-    from hybridkv.bench.speculative import K as VERIFY_ROWS
     from hybridkv.bench.workload import DEFAULT_SHAPE, SHAPES, cached_checkpoint, load_peer, require_transformers
     from hybridkv.cache.config import CacheConfig
     from hybridkv.cached_model import CachedModel
@@ -213,7 +242,7 @@ def run(
             model_dir = cached_checkpoint(shape, dtype, cache_dir or Path(tmp), log)
         _check_both_fit(weights_nbytes(model_dir, dtype), str(model_dir))
         log(f"loading {model_dir} in both engines ({str(dtype).removeprefix('torch.')})")
-        cm = CachedModel.load(model_dir, dtype=dtype, cache=CacheConfig(verify_rows=VERIFY_ROWS), quantize=quantize)
+        cm = CachedModel.load(model_dir, dtype=dtype, cache=CacheConfig(verify_rows=plan.spec_k), quantize=quantize)
         peer = load_peer(model_dir, dtype)
         if limits is None:
             log("measuring the machine's limits")
@@ -236,7 +265,10 @@ def run(
         "seconds": time.perf_counter() - started,
         "torch_version": torch.__version__,
         "transformers_version": transformers.__version__,
-        "plan": {k: getattr(plan, k) for k in ("reps", "warmup", "decode_steps")},
+        "plan": {
+            **{k: getattr(plan, k) for k in ("reps", "warmup", "decode_steps", "spec_k")},
+            "spec_methods": list(plan.spec_methods),
+        },
     }
     return to_json(results, b.limits, b.weights, run_info)
 

@@ -30,8 +30,6 @@ SCENARIOS = {
     "spec_free_text_b1": ("free_text", 1),
     "spec_code_edit_b8": ("code_edit", 8),
 }
-METHODS = ("ngram", "mtp", "auto")
-K = 4
 NEW_TOKENS_PER_DECODE_STEP = 3  # new tokens per prompt: 3 × the plan's decode steps (96 in a full run)
 # Ratios issue 12 asks for (speculation / plain, tok/s); auto may never cost more than 5%.
 TARGETS = {("spec_code_edit_b1", "ngram"): 1.8, ("spec_free_text_b1", "mtp"): 1.3}
@@ -43,12 +41,13 @@ def speculative(b: Bench) -> list[Result]:
     from hybridkv.engine.sampling import SamplingParams
 
     prompts = json.loads(PROMPTS.read_text())
-    plain = _llm("off")
+    k = b.plan.spec_k
+    plain = _llm("off", k)
     llms: dict[str, LLM] = {}
     skipped: list[str] = []
-    for method in METHODS:
+    for method in b.plan.spec_methods:
         try:
-            llms[method] = _llm(method)
+            llms[method] = _llm(method, k)
         except ValueError as e:  # mtp on a model without the block
             skipped.append(f"{method}: {e}")
     for line in skipped:
@@ -72,19 +71,19 @@ def speculative(b: Bench) -> list[Result]:
             tokens = new_tokens * sum(len(g) for g in groups)
             ours, theirs = (tokens / _median([t[i] for t in times]) for i in (0, 1))
             target = AUTO_FLOOR if method == "auto" else TARGETS.get((name, method))
-            notes = _acceptance(counts) | {"batch": batch, "prompts": len(ids), "new_tokens": new_tokens, "k": K}
+            notes = _acceptance(counts, k) | {"batch": batch, "prompts": len(ids), "new_tokens": new_tokens, "k": k}
             results.append(
                 Result(f"{name}/{method}", ours, theirs, "tok/s", target, None, notes, "hybridkv, no speculation")
             )
     return results
 
 
-def _llm(method: str) -> LLM:
+def _llm(method: str, k: int) -> LLM:
     from hybridkv.engine.engine import EngineConfig
     from hybridkv.engine.llm import LLM, default_cache_config
     from hybridkv.engine.speculative import SpeculativeConfig
 
-    engine = EngineConfig(max_num_seqs=8, speculative=SpeculativeConfig(method, num_tokens=K))  # type: ignore[arg-type]
+    engine = EngineConfig(max_num_seqs=8, speculative=SpeculativeConfig(method, num_tokens=k))  # type: ignore[arg-type]
     return LLM(cache=default_cache_config(engine, max_model_len=1024, snapshots_per_sequence=4), engine=engine)
 
 
@@ -99,9 +98,9 @@ def _generate(llm: LLM, groups: list[list[list[int]]], params: Any) -> float:
     return time.perf_counter() - start
 
 
-def _acceptance(counts: Counter[str]) -> dict[str, Any]:
+def _acceptance(counts: Counter[str], k: int) -> dict[str, Any]:
     verifies = counts["spec_draft_tokens_1"]
-    positions = range(1, K + 1)
+    positions = range(1, k + 1)
     return {
         "verifies": verifies,
         "accepted_per_position": [
@@ -124,9 +123,9 @@ def verify_cost(b: Bench) -> list[Result]:
     from hybridkv.bench.scenarios import Result, _timed
     from hybridkv.bench.workload import random_ids
 
-    cm = b.cm
-    if cm.cache.config.verify_rows < K:
-        b.log("  verify_w*: skipped (the bench cache has no verify rows)")
+    cm, K = b.cm, b.plan.spec_k
+    if not b.plan.spec_methods or cm.cache.config.verify_rows < K:
+        b.log("  verify_w*: skipped (no speculation, or the bench cache has too few verify rows)")
         return []
     ids = random_ids(256 + K + 1, b.vocab, seed=7)
     seq = cm.new_sequence()

@@ -242,6 +242,8 @@ class Plan:
     forks: int = 8
     reps: int = 5  # timed repetitions of every other scenario; the median counts
     warmup: int = 1
+    spec_methods: tuple[str, ...] = ("ngram", "mtp", "auto")  # the drafts spec_* measures (none: skipped)
+    spec_k: int = 4  # tokens drafted per verify in spec_*; verify_w1..w(k+1)
 
     def replace(self, **changes: Any) -> Plan:
         return dataclasses.replace(self, **changes)

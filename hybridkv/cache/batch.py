@@ -104,6 +104,16 @@ class ForwardBatch:
     def kv_pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.tensors.key[layer], self.tensors.value[layer]
 
+    def token_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per token: its sequence's block table row [T, max_blocks] and the positions it sees,
+        kv length position + 1 [T]: a batch of few tokens (a verify, short chunks) attends token
+        by token as a decode step does, every row of the batch already written. The same tensors
+        as `block_tables`, `kv_lens` when every sequence feeds one token."""
+        if self.is_decode:
+            return self.block_tables, self.kv_lens
+        owner = torch.repeat_interleave(torch.arange(len(self.q_lens)), torch.tensor(self.q_lens))
+        return self.block_tables.index_select(0, owner), self.positions + 1
+
     # -- linear-attention layers ------------------------------------------------------------
 
     def linear_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -156,10 +156,12 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         qkv = linear(x, self.qkv_proj)
-        if batch.is_decode and native.enabled(qkv, self.q_norm.weight, self.k_norm.weight):
+        if batch.num_tokens <= FEW_ROWS and native.enabled(qkv, self.q_norm.weight, self.k_norm.weight):
+            # Decode steps, verifies and short chunks: each token attends as a decode step does.
+            tables, kv_lens = batch.token_tables()
             o = native.attention_decode(
                 qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin, batch.kv_pools(self.index),
-                batch.slot_mapping, batch.block_tables, batch.kv_lens, self.scale, self.H,
+                batch.slot_mapping, tables, kv_lens, self.scale, self.H,
             )  # fmt: skip
             return linear(o.to(x.dtype), self.o_proj)
         q, gate, k, v = self.split_heads(qkv, cos, sin)

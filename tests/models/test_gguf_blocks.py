@@ -57,19 +57,31 @@ def emulated(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
 
 @pytest.mark.parametrize("file", FILES)
 def test_whole_models_8bit_products_are_the_activation_rounding_and_nothing_else(file, monkeypatch):
-    tokens, _ = golden(file)
+    tokens, original = golden(file)
     model = load_model(DATA / file)
     ours = run(model, tokens)
-    monkeypatch.setattr(quant_linear, "block_matmul", emulated)
-    want = run(model, tokens)
-    # Each row equal to float summation order, but for a row where a 1e-7 difference upstream
-    # tipped one activation's 8-bit rounding the other way (one step of one block's scale).
-    rows = (ours - want).abs().amax(-1) / want.abs().max()
-    assert rows.median() <= 1e-5 and rows.max() <= 1e-2, rows.tolist()
+    # Every block product of the whole run, on the activations it met, equals the emulation to
+    # float summation order. (Comparing two whole runs instead is not exact: a 1e-7 difference
+    # upstream tips some activation's 8-bit rounding the other way, and the recurrent state
+    # carries that step on to every later token: up to 1% apart, more or less often with the
+    # CPU's summation order.)
+    kernel, errors = quant_linear.block_matmul, []
+
+    def checked(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+        got, want = kernel(x, w), emulated(x, w)
+        errors.append(float((got - want).abs().max() / want.abs().max().clamp(min=1e-30)))
+        return got
+
+    monkeypatch.setattr(quant_linear, "block_matmul", checked)
+    assert torch.equal(run(model, tokens), ours)
+    assert len(errors) >= len(tokens) and max(errors) <= 1e-6, max(errors)
     with float_activations():
         exact = run(model, tokens)
-    # 8-bit activations move this tiny random model's logits by a few percent, never more
-    assert 0 < (ours - exact).abs().max() <= 0.15 * exact.abs().max()
+    # Rounding the activations to 8 bits moves this tiny random model's logits less than the file's
+    # own weight rounding does (float activations against transformers on the float checkpoint):
+    # 7-10% against 10-13% at Q8_0, 51% against 90% on this chaotic model at Q4_K_M.
+    weight_rounding = (exact - original).abs().max()
+    assert 0 < (ours - exact).abs().max() <= weight_rounding
 
 
 @pytest.mark.parametrize("file", FILES)

@@ -80,7 +80,10 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* d) {
   }
 }
 
-inline int32_t block_sum_scalar(const uint8_t* wq, const int8_t* a) {
+// Not auto-vectorized: GCC 12 at -O3 -march=native on an AVX512-VNNI CPU turns this signed x signed
+// byte dot product into vpdpbusd, which multiplies its first operand as unsigned (wrong sums;
+// reproduced with GCC 12.2 on Zen 4). The vector paths below do the sign handling themselves.
+__attribute__((optimize("no-tree-vectorize"))) inline int32_t block_sum_scalar(const uint8_t* wq, const int8_t* a) {
   int32_t s = 0;
   for (int j = 0; j < QK8; ++j) s += static_cast<int32_t>(static_cast<int8_t>(wq[j])) * a[j];
   return s;
