@@ -72,12 +72,18 @@ class NgramIndex:
             self.tokens.append(token)
 
     def propose(self, k: int) -> list[int]:
-        """Up to k tokens that followed the longest suffix seen before; [] when none was."""
+        """k tokens that followed the longest suffix seen before; [] when none was. A match p
+        tokens back whose continuation runs into the present (a loop of period p < k) continues
+        periodically rather than stopping short."""
         end = len(self.tokens)
         for n in range(min(self.n_max, end), self.n_min - 1, -1):
             start = self._follow.get(tuple(self.tokens[end - n :]))
             if start is not None:
-                return self.tokens[start : start + k]
+                drafts = self.tokens[start : start + k]
+                period = end - start
+                for j in range(len(drafts), k):
+                    drafts.append(drafts[j - period])
+                return drafts
         return []
 
 

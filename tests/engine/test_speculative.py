@@ -33,11 +33,12 @@ def test_ngram_lookup_proposes_what_followed_the_latest_longest_match() -> None:
     index = NgramIndex(n_min=2, n_max=3)
     index.extend([7, 1, 2, 3, 4, 8, 8, 1, 2, 3])
     assert index.propose(3) == [4, 8, 8]  # the longest match wins
-    assert index.propose(9) == [4, 8, 8, 1, 2, 3]  # no more than the history holds
+    # past the present, the loop the match implies goes on: period 6 (1 2 3 4 8 8)
+    assert index.propose(9) == [4, 8, 8, 1, 2, 3, 4, 8, 8]
     index.extend([42])
     assert index.propose(4) == []  # (3, 42) never seen
     index.extend([5, 5, 5])
-    assert index.propose(4) == [5]  # a run: the continuation right before the suffix
+    assert index.propose(4) == [5, 5, 5, 5]  # a run: period 1
 
 
 def test_adaptive_k_grows_on_full_accepts_shrinks_on_misses_and_pauses() -> None:
