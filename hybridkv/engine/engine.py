@@ -613,7 +613,7 @@ class Engine:
         request: Request,
         branch: Branch,
         token: int,
-        logprob: float,
+        logprob: float | None,
         top_logprobs: list[tuple[int, float]] | None,
     ) -> None:
         """A sampled token: into the completion, the stop checks and the stream."""
@@ -621,6 +621,7 @@ class Engine:
         completion.token_ids.append(token)
         logprobs: tuple[tuple[int, float, tuple[tuple[int, float], ...] | None], ...] = ()
         if request.params.logprobs is not None:
+            assert logprob is not None
             top = tuple(top_logprobs) if top_logprobs is not None else None
             logprobs = ((token, logprob, top),)
             completion.logprobs.extend(logprobs)

@@ -173,11 +173,11 @@ def _check_float(
 
 
 class SampleResult(NamedTuple):
-    """The chosen token, its raw-model logprob, and (if asked) the most likely alternatives
-    as `(token_id, logprob)` sorted from most likely."""
+    """The chosen token and, when the request asks for logprobs, its raw-model logprob and the
+    most likely alternatives as `(token_id, logprob)` sorted from most likely (else None)."""
 
     token_id: int
-    logprob: float
+    logprob: float | None
     top_logprobs: list[tuple[int, float]] | None
 
 
@@ -257,6 +257,8 @@ class RequestSampler:
         token_id = int(torch.argmax(scores)) if self.greedy else self._draw(scores)
         if self.grammar is not None:
             self.grammar.consume(token_id)
+        if self.params.logprobs is None:  # nobody reads it: skip a pass over the vocabulary per token
+            return SampleResult(token_id, None, None)
         log_probs = torch.log_softmax(raw, dim=0)  # one tensor: the chosen token's figure is the one in the top list
         return SampleResult(token_id, float(log_probs[token_id]), self._top_logprobs(log_probs))
 

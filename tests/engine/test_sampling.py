@@ -261,7 +261,7 @@ def test_logprobs_are_the_raw_log_softmax_and_the_top_list_is_sorted() -> None:
 
 def test_logprobs_none_and_zero() -> None:
     logits = _random_logits(5)
-    assert RequestSampler(SamplingParams(seed=0), []).sample(logits, []).top_logprobs is None
+    assert RequestSampler(SamplingParams(seed=0), []).sample(logits, [])[1:] == (None, None)
     assert RequestSampler(SamplingParams(logprobs=0, seed=0), []).sample(logits, []).top_logprobs == []
 
 
@@ -277,7 +277,7 @@ def test_sample_batch_checks_shapes() -> None:
     with pytest.raises(ValueError, match=r"logits \[N, V\]"):
         sample_batch([RequestSampler(SamplingParams(), [])], torch.zeros(2, V), [[], []])
     rows = sample_batch([RequestSampler(SamplingParams(temperature=0.0), [])], _logits(0, 3, 1, 0, 0)[None], [[]])
-    assert rows == [SampleResult(1, rows[0].logprob, None)]
+    assert rows == [SampleResult(1, None, None)]
 
 
 # --- stopping ------------------------------------------------------------------------------------
