@@ -3,7 +3,8 @@
     .venv/bin/python scripts/gguf_vs_llama_cpp.py [--work DIR] [--threads N]   # the README's tables
     .venv/bin/python scripts/gguf_vs_llama_cpp.py --fixture                     # tests/data/gguf/qwen3next-wide-*
 
-Needs llama-cpp-python (the `[peers]` extra, a source build). Without `--fixture`:
+Needs llama-cpp-python (the `[peers]` extra, a source build; on an AMX CPU without GGML_NATIVE, see
+the README). Without `--fixture`:
 
 1. Writes the default model (hybridkv/assets/default_model) with `hybridkv quantize` as f32, q8_0,
    q6_k and q4_k_m, and lists each file's tensor types (the model is 192 wide, not a multiple of

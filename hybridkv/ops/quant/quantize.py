@@ -118,6 +118,17 @@ def _f16(x: torch.Tensor) -> torch.Tensor:
     return x.half().float()
 
 
+def _sum(x: torch.Tensor) -> torch.Tensor:
+    """x [..., n] (n a power of two) → [..., 1]: halves added pairwise, the same IEEE additions in
+    the same order on every CPU."""
+    n = x.shape[-1]
+    assert n & (n - 1) == 0, n
+    while n > 1:
+        n //= 2
+        x = x[..., :n] + x[..., n:]
+    return x
+
+
 def _qx_scale(x: torch.Tensor, nmax: int) -> torch.Tensor:
     """`make_qx_quants(n, nmax, x, L, rmse_type=1, NULL)`'s scale for each row of x [S, n]."""
     at = x.abs().argmax(-1, keepdim=True)
@@ -128,7 +139,7 @@ def _qx_scale(x: torch.Tensor, nmax: int) -> torch.Tensor:
 
     def trial(iscale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q = _nearest(iscale * x).clamp(-nmax, nmax - 1).float()
-        return (w * x * q).sum(-1, keepdim=True), (w * q * q).sum(-1, keepdim=True)
+        return _sum(w * x * q), _sum(w * q * q)
 
     sumlx, suml2 = trial(-nmax / peak)
     scale = torch.where(suml2 > 0, sumlx / suml2.clamp_min(1e-30), torch.zeros_like(sumlx))
@@ -146,19 +157,19 @@ def _qkx2_scale_min(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`make_qkx2_quants(n, nmax, x, weights, ..., rmin, rdelta=0.1, nstep, use_mad=false)` with
     Q4_K's and Q5_K's weights rms(x) + |x|, for each row of x [S, n] → (scale, −min) [S]."""
-    w = torch.sqrt((x * x).sum(-1, keepdim=True) / x.shape[-1]) + x.abs()
+    w = torch.sqrt(_sum(x * x) / x.shape[-1]) + x.abs()
     lo = x.amin(-1, keepdim=True).clamp(max=0)
     hi = x.amax(-1, keepdim=True)
     flat = hi == lo
     span = torch.where(flat, torch.ones_like(hi), hi - lo)
-    sum_w, sum_x = w.sum(-1, keepdim=True), (w * x).sum(-1, keepdim=True)
+    sum_w, sum_x = _sum(w), _sum(w * x)
 
     def codes(iscale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
         return _nearest(iscale * (x - minimum)).clamp(0, nmax).float()
 
     def error(scale: torch.Tensor, minimum: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         diff = scale * q + minimum - x
-        return (w * diff * diff).sum(-1, keepdim=True)
+        return _sum(w * diff * diff)
 
     iscale = nmax / span
     scale, minimum = 1 / iscale, lo
@@ -167,11 +178,7 @@ def _qkx2_scale_min(
         # as the C loop: each trial starts from the best min so far (it moves when a trial wins)
         width = hi - minimum
         q = codes((rmin + 0.1 * step + nmax) / torch.where(width > 0, width, torch.ones_like(width)), minimum)
-        sum_l, sum_l2, sum_xl = (
-            (w * q).sum(-1, keepdim=True),
-            (w * q * q).sum(-1, keepdim=True),
-            (w * q * x).sum(-1, keepdim=True),
-        )
+        sum_l, sum_l2, sum_xl = _sum(w * q), _sum(w * q * q), _sum(w * q * x)
         D = sum_w * sum_l2 - sum_l * sum_l
         ok = D > 0
         Ds = torch.where(ok, D, torch.ones_like(D))
