@@ -22,16 +22,17 @@ from hybridkv.ops.moe import moe_block
 pytestmark = pytest.mark.skipif(native.kernels() is None, reason="C++ kernels could not be built here")
 
 
-@pytest.mark.parametrize("T", [1, 2, 5, 6, 7, 13, 32])
+@pytest.mark.parametrize("T", [0, 1, 2, 5, 6, 7, 8, 9, 13, 32])
 @pytest.mark.parametrize(("D", "N"), [(64, 64), (48, 200), (37, 17), (512, 1552), (16, 5), (70, 9001)])
 def test_rows_matmul_equals_matmul(T: int, D: int, N: int) -> None:
-    # N covers whole 64-column tiles, 16-column tails and single columns.
+    # T covers split-depth (up to 8 rows on AVX-512) and column strips; N whole 64-column tiles,
+    # 16-column tails, single columns and several column blocks; D a ragged last group of 4 rows.
     gen = torch.Generator().manual_seed(T * 1000 + N)
     x, w = torch.randn(T, D, generator=gen), torch.randn(D, N, generator=gen)
     assert_close(native.rows_matmul(x, w), x @ w, rel=1e-5 * D**0.5)
 
 
-@pytest.mark.parametrize("T", [1, 3, 4, 16])  # wide 128-column tiles up to 3 rows, 64 beyond
+@pytest.mark.parametrize("T", [1, 3, 4, 8, 16])  # split-depth up to 8 rows; 64-column tiles beyond
 def test_rows_matmul_bf16_weights_match_the_upcast_product(T: int) -> None:
     gen = torch.Generator().manual_seed(T)
     x, w = torch.randn(T, 96, generator=gen), torch.randn(96, 300 if T > 1 else 8200, generator=gen).bfloat16()

@@ -41,14 +41,17 @@ constexpr int LANES = HYBRIDKV_LANES;
 //     the strip walk's short runs, 4 KiB apart when N is a power of two, stream at half the rate
 //     there, and a 6 x 4 tile does not fit. 1.2-2.2x MKL at 2-8 rows, about even at 16 (measured,
 //     one thread, Zen 3).
-//   One row: each thread streams a contiguous block of w's rows (`matmul_row_split_depth`), on
-//     AVX-512 for wide weights (an lm_head; ~10% over tiles), on AVX2 always (1.0-1.3x MKL).
+//   Up to SPLIT_ROWS rows (decode, a verify forward, a short chunk): each thread streams its own
+//     contiguous block of w's rows into partial sums of all T rows, then the partials are added
+//     (`matmul_rows_split_depth`). Out of cache, on AVX-512, this reads the weight 1.3-2.3x faster
+//     than the column strips at 1-5 rows and about even at 8 (2 threads, Zen 4 and Sapphire
+//     Rapids, measured by streaming 1.5 GB of weights); on AVX2 one row always (1.0-1.3x MKL).
 #if HYBRIDKV_LANES == 16
 constexpr bool STREAM_ROWS = false;
-constexpr int64_t WIDE = 8192;
+constexpr int64_t SPLIT_ROWS = 8;
 #else
 constexpr bool STREAM_ROWS = true;
-constexpr int64_t WIDE = 0;
+constexpr int64_t SPLIT_ROWS = 1;  // the 4 x 4 tile of `depth_block_rows` does not fit 16 registers
 #endif
 template <typename W>
 struct Tiling {
@@ -252,22 +255,75 @@ void depth_block(const float* x, const W* w, int64_t N, float* y, int64_t d0, in
     for (int64_t n = 0; n < N; ++n) y[n] += x[d] * scalar(w[d * N + n]);
 }
 
-// One row: each thread streams a contiguous block of w's rows into its own partial sum, then the
+// y[T, N] += x[T, d0:d1] @ w[d0:d1, :] for T rows: four rows of w at a time, in blocks of columns
+// small enough that the T rows of y stay in L1; each load of w (4 rows x 4 vectors, in registers)
+// is applied to every row of x.
+template <typename W>
+void depth_block_rows(const float* x, int64_t T, int64_t D, const W* w, int64_t N, float* y, int64_t d0,
+                      int64_t d1) {
+  if (T == 1) return depth_block(x, w, N, y, d0, d1);
+  constexpr int64_t TILE = 4 * LANES;
+  const int64_t cb = std::max<int64_t>(TILE, Y_BLOCK / T / TILE * TILE);
+  for (int64_t c0 = 0; c0 < N; c0 += cb) {
+    const int64_t c1 = std::min(N, c0 + cb);
+    int64_t d = d0;
+    for (; d + 4 <= d1; d += 4) {
+      const W *w0 = w + d * N, *w1 = w0 + N, *w2 = w1 + N, *w3 = w2 + N;
+      int64_t n = c0;
+      for (; n + TILE <= c1; n += TILE) {
+        vf a[4][4];
+        for (int j = 0; j < 4; ++j) {
+          a[0][j] = load(w0 + n + j * LANES);
+          a[1][j] = load(w1 + n + j * LANES);
+          a[2][j] = load(w2 + n + j * LANES);
+          a[3][j] = load(w3 + n + j * LANES);
+        }
+        for (int64_t t = 0; t < T; ++t) {
+          const float* xt = x + t * D + d;
+          const float x0 = xt[0], x1 = xt[1], x2 = xt[2], x3 = xt[3];
+          float* yt = y + t * N + n;
+          for (int j = 0; j < 4; ++j)
+            store(yt + j * LANES,
+                  load(yt + j * LANES) + x0 * a[0][j] + x1 * a[1][j] + x2 * a[2][j] + x3 * a[3][j]);
+        }
+      }
+      for (; n + LANES <= c1; n += LANES) {
+        const vf v0 = load(w0 + n), v1 = load(w1 + n), v2 = load(w2 + n), v3 = load(w3 + n);
+        for (int64_t t = 0; t < T; ++t) {
+          const float* xt = x + t * D + d;
+          float* yt = y + t * N + n;
+          store(yt, load(yt) + xt[0] * v0 + xt[1] * v1 + xt[2] * v2 + xt[3] * v3);
+        }
+      }
+      for (; n < c1; ++n)
+        for (int64_t t = 0; t < T; ++t) {
+          const float* xt = x + t * D + d;
+          y[t * N + n] += xt[0] * scalar(w0[n]) + xt[1] * scalar(w1[n]) + xt[2] * scalar(w2[n]) + xt[3] * scalar(w3[n]);
+        }
+    }
+    for (; d < d1; ++d)
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t n = c0; n < c1; ++n) y[t * N + n] += x[t * D + d] * scalar(w[d * N + n]);
+  }
+}
+
+// Few rows: each thread streams a contiguous block of w's rows into its own partial sums, then the
 // partials are added.
-void matmul_row_split_depth(const float* x, int64_t D, const at::Tensor& w, float* y) {
+void matmul_rows_split_depth(const float* x, int64_t T, int64_t D, const at::Tensor& w, float* y) {
   const int64_t N = w.size(1), parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), D / 4));
   const int64_t step = (D / parts + 3) / 4 * 4;
-  std::vector<float> partial(parts * N, 0.f);
+  std::vector<float> partial(parts * T * N, 0.f);
   with_weight_type(w, [&](auto* wp) {
     at::parallel_for(0, parts, 1, [&](int64_t b, int64_t e) {
       for (int64_t p = b; p < e; ++p)
-        depth_block(x, wp, N, partial.data() + p * N, std::min(D, p * step), std::min(D, (p + 1) * step));
+        depth_block_rows(x, T, D, wp, N, partial.data() + p * T * N, std::min(D, p * step),
+                         std::min(D, (p + 1) * step));
     });
   });
-  for (int64_t n = 0; n < N; ++n) {
+  for (int64_t i = 0; i < T * N; ++i) {
     float s = 0.f;
-    for (int64_t p = 0; p < parts; ++p) s += partial[p * N + n];
-    y[n] = s;
+    for (int64_t p = 0; p < parts; ++p) s += partial[p * T * N + i];
+    y[i] = s;
   }
 }
 
@@ -343,7 +399,8 @@ void matmul_into(const float* x, int64_t T, int64_t D, const at::Tensor& w, floa
     at::mm_out(yt, at::from_blob(const_cast<float*>(x), {T, D}, at::kFloat), w);
     return;
   }
-  if (T == 1 && N >= WIDE) return matmul_row_split_depth(x, D, w, y);
+  if (T == 0) return;
+  if (T <= SPLIT_ROWS) return matmul_rows_split_depth(x, T, D, w, y);
   with_weight_type(w, [&](auto* wp) {
     using W = std::remove_cv_t<std::remove_pointer_t<decltype(wp)>>;
     parallel_columns(1, N, chunk_columns<W>(T), [&](int64_t, int64_t n0, int64_t n1) {
