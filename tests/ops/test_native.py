@@ -3,6 +3,8 @@ transformers."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -79,11 +81,26 @@ def test_rows_matmul_rejects_mismatched_shapes() -> None:
         native.rows_matmul(torch.randn(2, 8), torch.randn(9, 4))
 
 
-@pytest.mark.parametrize("T", [1, 3, 16, 32, 100, 300])  # 100: experts with few and many rows; 300: all many
+@contextlib.contextmanager
+def _threads(n: int | None) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n or before)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(
+    ("T", "threads"),
+    # 100: experts with few and many rows; 300: all many; 7 threads on 3 experts: each expert's
+    # depth split over threads (decode on a many-core CPU)
+    [(1, None), (3, None), (16, None), (32, None), (100, None), (300, None), (1, 7), (2, 7)],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("norm_topk", [True, False])
 def test_moe_block_equals_pytorch_path(
-    T: int, dtype: torch.dtype, norm_topk: bool, monkeypatch: pytest.MonkeyPatch
+    T: int, threads: int | None, dtype: torch.dtype, norm_topk: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     E, D, I, Is, k = 8, 64, 40, 24, 3
     gen = torch.Generator().manual_seed(T)
@@ -93,7 +110,8 @@ def test_moe_block_equals_pytorch_path(
 
     x = torch.randn(T, D, generator=gen)
     weights = (weight(D, E + 1 + 2 * Is), weight(E, D, 2 * I), weight(E, I, D), weight(Is, D))
-    got = native.moe_block(x, *weights, k, norm_topk)
+    with _threads(threads):
+        got = native.moe_block(x, *weights, k, norm_topk)
     monkeypatch.setattr(native, "disabled", True)
     want = moe_block(x, *(w.float() for w in weights), k, norm_topk)
     assert_close(got, want, rel=1e-5)

@@ -564,13 +564,39 @@ void routed_into(const float* xp, int64_t T, int64_t D, const int64_t* idp, cons
       at::mm_out(out_e, at::from_blob(const_cast<float*>(in) + s0 * K, {rows, K}, at::kFloat),
                  weight.select(0, e).to(at::kFloat));
     }
+    if (few.empty()) return;
     with_weight_type(weight, [&](auto* wp) {
       using W = std::remove_cv_t<std::remove_pointer_t<decltype(wp)>>;
-      parallel_columns(static_cast<int64_t>(few.size()), N, chunk_columns<W>(max_rows), [&](int64_t g, int64_t n0,
-                                                                                          int64_t n1) {
-        const int64_t e = few[g], s0 = start[e], rows = start[e + 1] - s0;
-        product_columns(in + s0 * K, rows, K, wp + e * K * N, N, out + s0 * N, n0, n1);
+      if (max_rows > SPLIT_ROWS) {
+        parallel_columns(static_cast<int64_t>(few.size()), N, chunk_columns<W>(max_rows),
+                         [&](int64_t g, int64_t n0, int64_t n1) {
+                           const int64_t e = few[g], s0 = start[e], rows = start[e + 1] - s0;
+                           product_columns(in + s0 * K, rows, K, wp + e * K * N, N, out + s0 * N, n0, n1);
+                         });
+        return;
+      }
+      // Decode and verify: each thread streams whole experts (or, with fewer experts than threads,
+      // contiguous depth blocks of one) into partial sums, as `matmul_rows_split_depth` does.
+      const int64_t G = static_cast<int64_t>(few.size());
+      const int64_t parts = std::max<int64_t>(1, std::min<int64_t>((at::get_num_threads() + G - 1) / G, K / 4));
+      const int64_t step = (K / parts + 3) / 4 * 4;
+      std::vector<float> partial(parts > 1 ? parts * P * N : 0, 0.f);
+      at::parallel_for(0, G * parts, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t u = begin; u < end; ++u) {
+          const int64_t e = few[u / parts], part = u % parts, s0 = start[e], rows = start[e + 1] - s0;
+          float* dst = parts == 1 ? out + s0 * N : partial.data() + (part * P + s0) * N;
+          if (parts == 1) std::fill(dst, dst + rows * N, 0.f);
+          depth_block_rows(in + s0 * K, rows, K, wp + e * K * N, N, dst, std::min(K, part * step),
+                           std::min(K, (part + 1) * step));
+        }
       });
+      if (parts == 1) return;
+      for (int64_t e : few)
+        for (int64_t i = start[e] * N; i < start[e + 1] * N; ++i) {
+          float sum = 0.f;
+          for (int64_t part = 0; part < parts; ++part) sum += partial[part * P * N + i];
+          out[i] = sum;
+        }
     });
   };
   expert_products(xsp, D, gate_up, I2, hp);
