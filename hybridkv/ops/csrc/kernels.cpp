@@ -44,8 +44,9 @@ constexpr int LANES = HYBRIDKV_LANES;
 //   Up to SPLIT_ROWS rows (decode, a verify forward, a short chunk): each thread streams its own
 //     contiguous block of w's rows into partial sums of all T rows, then the partials are added
 //     (`matmul_rows_split_depth`). Out of cache, on AVX-512, this reads the weight 1.3-2.3x faster
-//     than the column strips at 1-5 rows and about even at 8 (2 threads, Zen 4 and Sapphire
-//     Rapids, measured by streaming 1.5 GB of weights); on AVX2 one row always (1.0-1.3x MKL).
+//     than the column strips at 1-5 rows and about even at 8 (2 threads, Zen 4, measured by
+//     streaming 1.5 GB of weights; a first form without column blocks likewise on Sapphire
+//     Rapids); on AVX2 one row always (1.0-1.3x MKL).
 #if HYBRIDKV_LANES == 16
 constexpr bool STREAM_ROWS = false;
 constexpr int64_t SPLIT_ROWS = 8;
