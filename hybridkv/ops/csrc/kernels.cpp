@@ -454,7 +454,9 @@ inline void dot_rows(int RX, const float* x, int64_t D, const W* w, float* y, in
 
 // y[T, N] = x[T, D] @ w[N, D]^T for few rows: a weight stored [out, in], as a tied lm_head uses
 // the embedding [V, D]. Each thread streams a contiguous block of w's rows once; every row of x
-// meets each group of 4 rows (one: 8) while they are in L1.
+// meets each group of 8 rows (AVX2 with more than one row: 4) while they are in L1. Eight rows
+// at a time, up to 3 rows of x each pass, read a 248k-row head 12-15% faster at 2-5 rows than
+// four (Zen 4, measured).
 at::Tensor rows_matmul_t(const at::Tensor& x_in, const at::Tensor& w) {
   TORCH_CHECK(x_in.dim() == 2 && w.dim() == 2 && x_in.size(1) == w.size(1),
               "rows_matmul_t: x [T, D] @ w [N, D]^T, got ", x_in.sizes(), " and ", w.sizes());
@@ -464,13 +466,17 @@ at::Tensor rows_matmul_t(const at::Tensor& x_in, const at::Tensor& w) {
   at::Tensor y = at::empty({T, N}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  constexpr int64_t GROUP = 8;  // rows of w per unit of work (T = 1: one tile; else two)
+  constexpr int64_t GROUP = 8;  // rows of w per unit of work (one tile; AVX2 with more than one row: two)
   with_weight_type(w, [&](auto* wp) {
     at::parallel_for(0, (N + GROUP - 1) / GROUP, 64, [&](int64_t begin, int64_t end) {
       for (int64_t n = begin * GROUP; n < std::min(N, end * GROUP);) {
         const int64_t left = std::min(N, end * GROUP) - n;
         if (T == 1 && left >= 8) {
           dot_tile<8, 1>(xp, D, wp + n * D, yp + n, N);
+          n += 8;
+        } else if (LANES == 16 && left >= 8) {  // 8 x 3 sums + 8 weight vectors: 32 registers
+          for (int64_t t = 0; t < T; t += 3)
+            dot_rows<8>(static_cast<int>(std::min<int64_t>(3, T - t)), xp + t * D, D, wp + n * D, yp + t * N + n, N);
           n += 8;
         } else if (left >= 4) {
           for (int64_t t = 0; t < T; t += 3)
