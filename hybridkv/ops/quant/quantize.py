@@ -10,9 +10,10 @@ runs without an importance matrix), vectorized over sub-blocks: Q6_K picks each 
 sub-block's scale by `make_qx_quants` (the best of 19 trial scales by weighted least squares,
 weights x²), Q4_K and Q5_K each 32-weight sub-block's scale and min by `make_qkx2_quants` (21
 and 16 trial scales, weights rms(x) + |x|); all then quantize the sub-block scales against the super-block's
-largest (to 8 and 6 bits) and the weights against the rounded scales. The sums here run in
-PyTorch's order, not the C loop's, so a near-tie between two trial scales can resolve the other
-way: the blocks are valid and as accurate, not always byte-identical to llama.cpp's. A sub-block
+largest (to 8 and 6 bits) and the weights against the rounded scales. The sums here are added
+pairwise, not in the C loop's order, so a near-tie between two trial scales can resolve the other
+way: the blocks are valid and as accurate, not always byte-identical to llama.cpp's. They are
+byte-identical on every CPU: a fixed order of IEEE operations, square roots correctly rounded. A sub-block
 whose rounded scale is 0 gets codes for 0 (llama.cpp leaves its trial codes; both dequantize
 the same).
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from hybridkv.ops.quant.traits import GGMLType
@@ -129,6 +131,13 @@ def _sum(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _sqrt(x: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded square roots, as C's sqrtf: NumPy's come from the CPU's instruction, while
+    `torch.sqrt` may go through MKL's vector library, which on some CPUs is off by an ulp for ~15%
+    of inputs (measured on Zen 4) and so changed a few Q4_K blocks between machines."""
+    return torch.from_numpy(np.sqrt(x.contiguous().numpy()))
+
+
 def _qx_scale(x: torch.Tensor, nmax: int) -> torch.Tensor:
     """`make_qx_quants(n, nmax, x, L, rmse_type=1, NULL)`'s scale for each row of x [S, n]."""
     at = x.abs().argmax(-1, keepdim=True)
@@ -157,7 +166,7 @@ def _qkx2_scale_min(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`make_qkx2_quants(n, nmax, x, weights, ..., rmin, rdelta=0.1, nstep, use_mad=false)` with
     Q4_K's and Q5_K's weights rms(x) + |x|, for each row of x [S, n] → (scale, −min) [S]."""
-    w = torch.sqrt(_sum(x * x) / x.shape[-1]) + x.abs()
+    w = _sqrt(_sum(x * x) / x.shape[-1]) + x.abs()
     lo = x.amin(-1, keepdim=True).clamp(max=0)
     hi = x.amax(-1, keepdim=True)
     flat = hi == lo
