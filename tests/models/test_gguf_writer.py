@@ -142,6 +142,20 @@ def test_a_written_file_computes_what_quantizing_at_load_computes(wide_checkpoin
     assert max_rel_err(from_file, at_load) < 1e-5  # the same blocks; the norms went through 1 + w and back
 
 
+def test_quantizing_at_load_falls_back_as_a_written_file_does(tmp_path):
+    """The default model's 192-wide rows do not fit Q4_K: the file takes llama.cpp's Q5_0 for them,
+    and so does `--quantize q4_k`, through the same integer kernels."""
+    from hybridkv.default_model import default_model_dir
+
+    path = tmp_path / "model.gguf"
+    write_quantized(default_model_dir(), path, "q4_k")
+    assert {t.tensor_type.name for t in GGUFReader(path).tensors} == {"F32", "Q4_K", "Q5_0"}
+    tokens = [5, 900, 17, 2048, 33, 1, 4000, 12, 77, 310]
+    from_file = run(load_model(path), tokens)
+    at_load = run(load_model(default_model_dir(), quantize="q4_k"), tokens)
+    assert max_rel_err(from_file, at_load) < 1e-5
+
+
 @pytest.mark.parametrize("file_type", ["f16", "bf16", "q8_0", "q6_k", "q4_k_m"])
 def test_gguf_py_reads_a_written_file_as_our_reader_does(checkpoint, file_type, tmp_path):
     """gguf-py, the independent reader, finds every tensor where ours does and dequantizes it to

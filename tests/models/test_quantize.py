@@ -139,9 +139,9 @@ def test_a_quantized_model_computes_on_its_rounded_weights(kind):
     assert isinstance(gate_in.parts[0], torch.Tensor) and gate_in.parts[0].shape[1] == quantized.config.num_experts + 1
     numel, nbytes = quantized.weight_sizes()
     assert nbytes < 0.3 * 4 * numel
-    # rows of 256 take the K-quant; the default model's 192-wide rows fall back to Q8_0
+    # rows of 256 take the K-quant; the default model's 192-wide rows fall back as llama.cpp's do
     types = {p.btype.name for w in blocks.values() for p in getattr(w, "parts", (w,)) if isinstance(p, QuantizedWeight)}
-    assert types == ({"Q8_0"} if kind == "q8_0" else {"Q8_0", kind.upper()})
+    assert types == {"q8_0": {"Q8_0"}, "q6_k": {"Q8_0", "Q6_K"}, "q4_k": {"Q5_0", "Q4_K"}}[kind]
 
     # the float model with each quantized weight replaced by its dequantized blocks
     reference = load_model(default_model_dir())

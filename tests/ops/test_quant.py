@@ -1,5 +1,6 @@
-"""GGUF weight types against gguf-py (the independent reference), and the Q8_0 integer matmul
-against its NumPy emulation: activation blocks and integer block sums exactly, floats to rounding."""
+"""GGUF weight types against gguf-py (the independent reference), and the integer matmul of the
+symmetric 32-weight types (Q8_0, Q4_0, Q5_0, IQ4_NL) against its NumPy emulation: activation
+blocks and integer block sums exactly, floats to rounding."""
 
 from __future__ import annotations
 
@@ -123,7 +124,9 @@ def test_reference_matmul_is_a_float64_matmul_up_to_summation_order(t: BlockType
         assert_close(w.matmul(x), want, rel=1e-6 * K**0.5)
 
 
-# --- Q8_0 with 8-bit activations -------------------------------------------------------------
+# --- Q8_0, Q4_0, Q5_0, IQ4_NL with 8-bit activations -------------------------------------------
+
+SYMMETRIC = [GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q5_0, GGMLType.IQ4_NL]
 
 
 def emulate_quantize_rows_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -136,10 +139,16 @@ def emulate_quantize_rows_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q.reshape(x.shape), d
 
 
-def emulate_block_sums(xq: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """Integer block sums [T, N, nb] of activation blocks with Q8_0 rows, in int64."""
+def emulate_block_sums(xq: np.ndarray, rows: np.ndarray, t: GGMLType = GGMLType.Q8_0) -> np.ndarray:
+    """Integer block sums [T, N, nb] of activation blocks with rows of type t, in int64. The weight
+    codes come from gguf-py's dequantized values over the block's fp16 d (d·code is exact in float32:
+    an 11-bit d times a code of at most 8 bits)."""
     T, N = xq.shape[0], rows.shape[0]
-    wq = rows.reshape(N, -1, 34)[..., 2:].view(np.int8).astype(np.int64)
+    bt = block_type(t)
+    d = rows.reshape(N, -1, bt.block_bytes)[..., :2].copy().view(np.float16).astype(np.float32)
+    w = gguf_dequantize(rows, bt).reshape(N, -1, 32)
+    wq = np.rint(w / d).astype(np.int64)
+    assert np.array_equal((wq * d).astype(np.float32), w) and np.abs(wq).max() <= 128
     return np.einsum("tbk,nbk->tnb", xq.reshape(T, -1, 32).astype(np.int64), wq)
 
 
@@ -152,12 +161,15 @@ def activations(T: int, K: int, seed: int) -> torch.Tensor:
     return x
 
 
-def q8_0_rows(N: int, K: int, seed: int, quantized: bool) -> np.ndarray:
-    """Q8_0 rows by gguf-py's quantizer (q in −127..127), or random blocks (−128 included)."""
-    if not quantized:
-        return random_rows(block_type(GGMLType.Q8_0), (N,), K, seed)
-    w = np.random.default_rng(seed).standard_normal((N, K)).astype(np.float32)
-    return gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
+def symmetric_rows(N: int, K: int, seed: int, quantized: bool, t: GGMLType = GGMLType.Q8_0) -> np.ndarray:
+    """Rows of type t by gguf-py's quantizer (where it has one), or random blocks (every code)."""
+    if quantized:
+        w = np.random.default_rng(seed).standard_normal((N, K)).astype(np.float32)
+        try:
+            return gguf.quants.quantize(w, gguf.GGMLQuantizationType(int(t)))
+        except NotImplementedError:
+            pass
+    return random_rows(block_type(t), (N,), K, seed)
 
 
 SHAPES = [(1, 32, 1), (1, 608, 37), (3, 96, 5), (7, 256, 17), (32, 608, 9)]  # 608 = 19 blocks: 2 x 8 and 3
@@ -176,65 +188,86 @@ def test_activation_blocks_match_the_emulation(T: int, K: int) -> None:
         assert np.array_equal(got.q.numpy(), want_q) and np.array_equal(got.d.numpy(), want_d)
 
 
+@pytest.mark.parametrize("t", SYMMETRIC, ids=lambda t: t.name)
 @pytest.mark.parametrize(("T", "K", "N"), SHAPES)
 @pytest.mark.parametrize("quantized", [True, False], ids=["gguf-quantized", "random-blocks"])
-def test_block_sums_equal_the_emulation_exactly(T: int, K: int, N: int, quantized: bool) -> None:
+def test_block_sums_equal_the_emulation_exactly(t: GGMLType, T: int, K: int, N: int, quantized: bool) -> None:
     x = activations(T, K, seed=N)
-    rows = q8_0_rows(N, K, seed=T, quantized=quantized)
+    rows = symmetric_rows(N, K, seed=T, quantized=quantized, t=t)
     xq = int8_dot.quantize_rows_q8(x)
-    want = emulate_block_sums(xq.q.numpy(), rows)
+    want = emulate_block_sums(xq.q.numpy(), rows, t)
     w = torch.from_numpy(rows)
-    assert np.array_equal(int8_dot.block_sums(xq, int8_dot.split_q8_0(w)).numpy(), want)
+    assert np.array_equal(int8_dot.block_sums(xq, int8_dot.split_rows(w, t)).numpy(), want)
     for isa in int8_dot.available_isas():
-        assert np.array_equal(int8_dot.native_block_sums(xq, w, isa).numpy(), want), isa
+        assert np.array_equal(int8_dot.native_block_sums(xq, w, t, isa).numpy(), want), isa
 
 
+@pytest.mark.parametrize("t", SYMMETRIC, ids=lambda t: t.name)
 @pytest.mark.parametrize(("T", "K", "N"), SHAPES)
 @pytest.mark.parametrize("quantized", [True, False], ids=["gguf-quantized", "random-blocks"])
-def test_q8_0_matmul_twin_against_float64_on_dequantized_blocks(T: int, K: int, N: int, quantized: bool) -> None:
+def test_q8_matmul_twin_against_float64_on_dequantized_blocks(
+    t: GGMLType, T: int, K: int, N: int, quantized: bool
+) -> None:
     # Exactly the integer path's math in float64: dequantized activation blocks @ gguf's weights.
     x = activations(T, K, seed=N)
-    rows = q8_0_rows(N, K, seed=T, quantized=quantized)
+    rows = symmetric_rows(N, K, seed=T, quantized=quantized, t=t)
     xq = int8_dot.quantize_rows_q8(x)
     x_blocks = xq.q.double().reshape(T, -1, 32) * xq.d.double()[..., None]
-    w = torch.from_numpy(gguf_dequantize(rows, block_type(GGMLType.Q8_0))).double()
+    w = torch.from_numpy(gguf_dequantize(rows, block_type(t))).double()
     want = x_blocks.reshape(T, K) @ w.T
-    got = int8_dot.q8_0_matmul_twin(x, torch.from_numpy(rows))
+    got = int8_dot.q8_matmul_twin(x, torch.from_numpy(rows), t)
     assert_close(got, want, rel=1e-6 * K**0.5)
     # Against float activations: off by the activations' rounding (up to 1/254 of a block's max, each).
     x = torch.randn(T, K, generator=torch.Generator().manual_seed(K))
-    assert_close(int8_dot.q8_0_matmul_twin(x, torch.from_numpy(rows)), x.double() @ w.T, rel=3e-2)
+    assert_close(int8_dot.q8_matmul_twin(x, torch.from_numpy(rows), t), x.double() @ w.T, rel=3e-2)
 
 
 @needs_native
+@pytest.mark.parametrize("t", SYMMETRIC, ids=lambda t: t.name)
 @pytest.mark.parametrize(("T", "K", "N"), SHAPES)
 @pytest.mark.parametrize("quantized", [True, False], ids=["gguf-quantized", "random-blocks"])
-def test_native_q8_0_matmul_equals_the_twin(T: int, K: int, N: int, quantized: bool) -> None:
+def test_native_q8_matmul_equals_the_twin(t: GGMLType, T: int, K: int, N: int, quantized: bool) -> None:
     x = activations(T, K, seed=N)
-    rows = torch.from_numpy(q8_0_rows(N, K, seed=T, quantized=quantized))
-    want = int8_dot.q8_0_matmul_twin(x, rows)
+    rows = torch.from_numpy(symmetric_rows(N, K, seed=T, quantized=quantized, t=t))
+    want = int8_dot.q8_matmul_twin(x, rows, t)
     for isa in int8_dot.available_isas():
-        assert_close(int8_dot.native_q8_0_matmul(x, rows, isa), want, rel=1e-6)
+        assert_close(int8_dot.native_q8_matmul(x, rows, t, isa), want, rel=1e-6)
 
 
 @needs_native
-def test_native_q8_0_names_what_does_not_match() -> None:
+@pytest.mark.parametrize("t", SYMMETRIC, ids=lambda t: t.name)
+def test_native_q8_experts_matmul_equals_each_experts_product(t: GGMLType) -> None:
+    E, N, K = 3, 9, 96
+    rows = torch.from_numpy(np.stack([symmetric_rows(N, K, seed=e, quantized=False, t=t) for e in range(E)]))
+    x, ids = activations(5, K, seed=3), torch.tensor([2, 0, 2, 1, 0])
+    want = torch.cat([int8_dot.q8_matmul_twin(x[p : p + 1], rows[e], t) for p, e in enumerate(ids.tolist())])
+    for isa in int8_dot.available_isas():
+        assert_close(int8_dot.native_q8_experts_matmul(x, rows, ids, t, isa), want, rel=1e-6)
+
+
+@needs_native
+def test_native_q8_names_what_does_not_match() -> None:
     x, rows = torch.randn(2, 64), torch.zeros(3, 68, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="activations of 96 features need Q8_0 rows of 102 bytes"):
-        int8_dot.native_q8_0_matmul(torch.randn(2, 96), rows)
+        int8_dot.native_q8_matmul(torch.randn(2, 96), rows)
+    with pytest.raises(RuntimeError, match="activations of 64 features need Q5_0 rows of 44 bytes"):
+        int8_dot.native_q8_matmul(x, rows, GGMLType.Q5_0)
     with pytest.raises(RuntimeError, match="isa 'sse' is not available"):
-        int8_dot.native_q8_0_matmul(x, rows, "sse")
+        int8_dot.native_q8_matmul(x, rows, GGMLType.Q8_0, "sse")
+    with pytest.raises(RuntimeError, match="ggml type 12 has no 8-bit-activation kernel"):
+        int8_dot.native_q8_matmul(x, rows, GGMLType.Q4_K)
 
 
+@pytest.mark.parametrize("t", SYMMETRIC, ids=lambda t: t.name)
 @pytest.mark.parametrize("use_native", [True, False], ids=["native", "pytorch"])
-def test_q8_0_weight_matmul_takes_the_integer_path_for_few_rows(
-    use_native: bool, monkeypatch: pytest.MonkeyPatch
+def test_symmetric_weight_matmul_takes_the_integer_path_for_few_rows(
+    t: GGMLType, use_native: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if use_native and native.kernels() is None:
         pytest.skip("C++ kernels could not be built here")
     monkeypatch.setattr(native, "disabled", not use_native)
-    rows = torch.from_numpy(q8_0_rows(9, 256, seed=0, quantized=True))
-    w = QuantizedWeight.of(rows, GGMLType.Q8_0)
+    rows = torch.from_numpy(symmetric_rows(9, 256, seed=0, quantized=True, t=t))
+    w = QuantizedWeight.of(rows, t)
     few, many = activations(3, 256, seed=1), activations(int8_dot.FEW_ROWS + 1, 256, seed=2)
-    assert_close(w.matmul(few), int8_dot.q8_0_matmul_twin(few, rows), rel=1e-6)
+    assert_close(w.matmul(few), int8_dot.q8_matmul_twin(few, rows, t), rel=1e-6)
     assert torch.equal(w.matmul(many), w.reference_matmul(many))

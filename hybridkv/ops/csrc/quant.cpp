@@ -1,9 +1,10 @@
 // GGUF weight-block kernels (PyTorch twins and Python signatures: hybridkv/ops/quant/int8_dot.py).
 //
-// llama.cpp's decode scheme for Q8_0 weights: each activation row is quantized once into 8-bit
-// blocks of 32 (d = max|x|/127 kept in float32); a weight block (f16 d; i8 q[32], 34 bytes, read in
-// place from the file's rows) and an activation block meet as one exact integer dot product, then
-// one float multiply by d_w·d_x. Three code paths give the same integer sums: AVX-512 VNNI or
+// llama.cpp's decode scheme for the symmetric 32-weight types (Q8_0, and the fallbacks Q5_0, Q4_0,
+// IQ4_NL, whose vec_dot type is Q8_0): each activation row is quantized once into 8-bit blocks of
+// 32 (d = max|x|/127 kept in float32); a weight block (f16 d, then its codes, read in place from the
+// file's rows and unpacked to 32 int8 in registers) and an activation block meet as one exact
+// integer dot product, then one float multiply by d_w·d_x. Three code paths give the same integer sums: AVX-512 VNNI or
 // AVX-VNNI (`dpbusd`), AVX2 (`maddubs` + `madd`), and a plain loop; `isa` picks one, so the tests
 // run each that this CPU has. Built with -march=native, so the VNNI path exists only where the CPU
 // has it.
@@ -30,7 +31,6 @@
 namespace {
 
 constexpr int QK8 = 32;
-constexpr int Q8_0_BYTES = 34;  // f16 d, then 32 int8
 
 enum class Isa { Scalar, Avx2, Vnni };
 
@@ -66,6 +66,43 @@ inline float fp16(const uint8_t* p) {
 #endif
 }
 
+// The symmetric 32-weight block types: bytes per block, and their 32 signed codes (value = d·code).
+constexpr int8_t IQ4_NL_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+struct Q8_0Block {  // f16 d; i8 q[32]
+  static constexpr int ID = 8, BYTES = 34;
+  static void codes(const uint8_t* b, int8_t* q) { std::memcpy(q, b + 2, QK8); }
+};
+struct Q4_0Block {  // f16 d; u8 qs[16]: low nibbles weights 0-15, high 16-31; code = nibble - 8
+  static constexpr int ID = 2, BYTES = 18;
+  static void codes(const uint8_t* b, int8_t* q) {
+    for (int j = 0; j < 16; ++j) {
+      q[j] = static_cast<int8_t>((b[2 + j] & 15) - 8);
+      q[j + 16] = static_cast<int8_t>((b[2 + j] >> 4) - 8);
+    }
+  }
+};
+struct Q5_0Block {  // f16 d; u32 qh (bit j: bit 4 of weight j); u8 qs[16] as Q4_0; code = q - 16
+  static constexpr int ID = 6, BYTES = 22;
+  static void codes(const uint8_t* b, int8_t* q) {
+    uint32_t qh;
+    std::memcpy(&qh, b + 2, 4);
+    for (int j = 0; j < 16; ++j) {
+      q[j] = static_cast<int8_t>(((b[6 + j] & 15) | ((qh >> j) & 1) << 4) - 16);
+      q[j + 16] = static_cast<int8_t>(((b[6 + j] >> 4) | ((qh >> (j + 16)) & 1) << 4) - 16);
+    }
+  }
+};
+struct IQ4_NLBlock {  // f16 d; u8 qs[16] as Q4_0; code = a non-linear level of the nibble
+  static constexpr int ID = 20, BYTES = 18;
+  static void codes(const uint8_t* b, int8_t* q) {
+    for (int j = 0; j < 16; ++j) {
+      q[j] = IQ4_NL_LEVELS[b[2 + j] & 15];
+      q[j + 16] = IQ4_NL_LEVELS[b[2 + j] >> 4];
+    }
+  }
+};
+
 // x [K] → K/32 blocks: d = max|x|/127, q = round(x·(1/d)) ties to even (the default rounding mode),
 // 0 where d = 0. |x·(1/d)| exceeds 127 by at most a few ulps, so q fits in int8.
 void quantize_row(const float* x, int64_t K, int8_t* q, float* d) {
@@ -83,9 +120,12 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* d) {
 // Not auto-vectorized: GCC 12 at -O3 -march=native on an AVX512-VNNI CPU turns this signed x signed
 // byte dot product into vpdpbusd, which multiplies its first operand as unsigned (wrong sums;
 // reproduced with GCC 12.2 on Zen 4). The vector paths below do the sign handling themselves.
-__attribute__((optimize("no-tree-vectorize"))) inline int32_t block_sum_scalar(const uint8_t* wq, const int8_t* a) {
+template <typename B>
+__attribute__((optimize("no-tree-vectorize"))) inline int32_t block_sum_scalar(const uint8_t* blk, const int8_t* a) {
+  int8_t q[QK8];
+  B::codes(blk, q);
   int32_t s = 0;
-  for (int j = 0; j < QK8; ++j) s += static_cast<int32_t>(static_cast<int8_t>(wq[j])) * a[j];
+  for (int j = 0; j < QK8; ++j) s += static_cast<int32_t>(q[j]) * a[j];
   return s;
 }
 
@@ -93,9 +133,37 @@ __attribute__((optimize("no-tree-vectorize"))) inline int32_t block_sum_scalar(c
 // One block pair's dot product as 8 int32 lanes (lane i: weights 4i..4i+3). Both instructions take
 // unsigned × signed bytes, so the weight's sign moves onto the activation: |w| read as unsigned is
 // exact even for −128, and a·sign(w) cannot overflow since |a| <= 127 — exact for any block bytes.
-template <Isa I>
-inline __m256i block_dot(const uint8_t* wq, const int8_t* a) {
-  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq));
+// A block's 32 codes as int8 lanes.
+template <typename B>
+inline __m256i unpack(const uint8_t* blk) {
+  if constexpr (B::ID == Q8_0Block::ID) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+  } else {
+    const int at = B::ID == Q5_0Block::ID ? 6 : 2;
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + at));
+    const __m128i low = _mm_set1_epi8(15);
+    const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), low), _mm_and_si128(qs, low));
+    if constexpr (B::ID == Q4_0Block::ID) {
+      return _mm256_sub_epi8(nib, _mm256_set1_epi8(8));
+    } else if constexpr (B::ID == IQ4_NLBlock::ID) {
+      const __m128i levels = _mm_loadu_si128(reinterpret_cast<const __m128i*>(IQ4_NL_LEVELS));
+      return _mm256_shuffle_epi8(_mm256_set_m128i(levels, levels), nib);
+    } else {  // Q5_0: byte j of qh's bits spread to 32 bytes, 0x10 where bit j is set
+      uint32_t qh;
+      std::memcpy(&qh, blk + 2, 4);
+      const __m256i spread = _mm256_shuffle_epi8(
+          _mm256_set1_epi32(static_cast<int>(qh)),
+          _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+      const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+      const __m256i high = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+      return _mm256_sub_epi8(_mm256_or_si256(nib, high), _mm256_set1_epi8(16));
+    }
+  }
+}
+
+template <Isa I, typename B>
+inline __m256i block_dot(const uint8_t* blk, const int8_t* a) {
+  const __m256i w = unpack<B>(blk);
   const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
   const __m256i w_abs = _mm256_sign_epi8(w, w);
   const __m256i x_signed = _mm256_sign_epi8(x, w);
@@ -121,10 +189,10 @@ inline int32_t hsum_i32(__m256i v) {
 
 // The sums of 8 consecutive block pairs, one per lane: three rounds of pairwise adds transpose the
 // 8 x 8 lanes (hadd works within 128-bit halves, the last step adds the halves).
-template <Isa I>
+template <Isa I, typename B>
 inline __m256i block_sums8(const uint8_t* w, const int8_t* a) {
   __m256i s[8];
-  for (int i = 0; i < 8; ++i) s[i] = block_dot<I>(w + i * Q8_0_BYTES + 2, a + i * QK8);
+  for (int i = 0; i < 8; ++i) s[i] = block_dot<I, B>(w + i * B::BYTES, a + i * QK8);
   const __m256i h01 = _mm256_hadd_epi32(s[0], s[1]), h23 = _mm256_hadd_epi32(s[2], s[3]);
   const __m256i h45 = _mm256_hadd_epi32(s[4], s[5]), h67 = _mm256_hadd_epi32(s[6], s[7]);
   const __m256i lo = _mm256_hadd_epi32(h01, h23), hi = _mm256_hadd_epi32(h45, h67);
@@ -140,21 +208,21 @@ inline float hsum_f32(__m256 v) {
 #endif
 
 // Block sums of one weight row (nb blocks at w) with one activation row (q at a) into out[nb].
-template <Isa I>
+template <Isa I, typename B>
 void row_block_sums(const uint8_t* w, const int8_t* a, int64_t nb, int32_t* out) {
   int64_t b = 0;
 #ifdef __AVX2__
   if constexpr (I != Isa::Scalar) {
     for (; b + 8 <= nb; b += 8)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b), block_sums8<I>(w + b * Q8_0_BYTES, a + b * QK8));
-    for (; b < nb; ++b) out[b] = hsum_i32(block_dot<I>(w + b * Q8_0_BYTES + 2, a + b * QK8));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b), block_sums8<I, B>(w + b * B::BYTES, a + b * QK8));
+    for (; b < nb; ++b) out[b] = hsum_i32(block_dot<I, B>(w + b * B::BYTES, a + b * QK8));
   }
 #endif
-  for (; b < nb; ++b) out[b] = block_sum_scalar(w + b * Q8_0_BYTES + 2, a + b * QK8);
+  for (; b < nb; ++b) out[b] = block_sum_scalar<B>(w + b * B::BYTES, a + b * QK8);
 }
 
 // Σ_b block_sum_b · (dw[b]·dx[b]) for one weight row and one activation row.
-template <Isa I>
+template <Isa I, typename B>
 float row_dot(const uint8_t* w, const float* dw, const int8_t* a, const float* dx, int64_t nb) {
   int64_t b = 0;
   float s = 0.f;
@@ -163,23 +231,59 @@ float row_dot(const uint8_t* w, const float* dw, const int8_t* a, const float* d
     __m256 acc = _mm256_setzero_ps();
     for (; b + 8 <= nb; b += 8) {
       const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(dw + b), _mm256_loadu_ps(dx + b));
-      const __m256 sums = _mm256_cvtepi32_ps(block_sums8<I>(w + b * Q8_0_BYTES, a + b * QK8));
+      const __m256 sums = _mm256_cvtepi32_ps(block_sums8<I, B>(w + b * B::BYTES, a + b * QK8));
       acc = _mm256_fmadd_ps(sums, scale, acc);
     }
     s = hsum_f32(acc);
     for (; b < nb; ++b)
-      s += static_cast<float>(hsum_i32(block_dot<I>(w + b * Q8_0_BYTES + 2, a + b * QK8))) * (dw[b] * dx[b]);
+      s += static_cast<float>(hsum_i32(block_dot<I, B>(w + b * B::BYTES, a + b * QK8))) * (dw[b] * dx[b]);
   }
 #endif
-  for (; b < nb; ++b) s += static_cast<float>(block_sum_scalar(w + b * Q8_0_BYTES + 2, a + b * QK8)) * (dw[b] * dx[b]);
+  for (; b < nb; ++b) s += static_cast<float>(block_sum_scalar<B>(w + b * B::BYTES, a + b * QK8)) * (dw[b] * dx[b]);
   return s;
 }
 
-int64_t check_q8_0_rows(const at::Tensor& w, int64_t K, const char* op) {
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), op,
-              ": Q8_0 rows must be a contiguous uint8 [N, K/32*34] tensor, got ", w.scalar_type(), " ", w.sizes());
-  TORCH_CHECK(K % QK8 == 0 && w.size(1) == K / QK8 * Q8_0_BYTES, op, ": activations of ", K,
-              " features need Q8_0 rows of ", K / QK8 * Q8_0_BYTES, " bytes (K a multiple of 32), got ", w.size(1));
+const char* type_name(int64_t id) {
+  return id == Q8_0Block::ID ? "Q8_0" : id == Q4_0Block::ID ? "Q4_0" : id == Q5_0Block::ID ? "Q5_0" : "IQ4_NL";
+}
+
+int64_t block_bytes(int64_t id) {
+  switch (id) {
+    case Q8_0Block::ID: return Q8_0Block::BYTES;
+    case Q4_0Block::ID: return Q4_0Block::BYTES;
+    case Q5_0Block::ID: return Q5_0Block::BYTES;
+    case IQ4_NLBlock::ID: return IQ4_NLBlock::BYTES;
+  }
+  TORCH_CHECK(false, "ggml type ", id, " has no 8-bit-activation kernel here (Q8_0 8, Q4_0 2, Q5_0 6, IQ4_NL 20)");
+  return 0;
+}
+
+// Calls f(Block{}) for the block type `id`, with the code path `isa`.
+template <typename F>
+void dispatch(int64_t id, const std::string& isa, F&& f) {
+  block_bytes(id);  // names an unknown type
+  const Isa path = parse_isa(isa);
+  auto with_isa = [&](auto block) {
+    switch (path) {
+      case Isa::Vnni: return f(block, std::integral_constant<Isa, Isa::Vnni>{});
+      case Isa::Avx2: return f(block, std::integral_constant<Isa, Isa::Avx2>{});
+      case Isa::Scalar: return f(block, std::integral_constant<Isa, Isa::Scalar>{});
+    }
+  };
+  switch (id) {
+    case Q8_0Block::ID: return with_isa(Q8_0Block{});
+    case Q4_0Block::ID: return with_isa(Q4_0Block{});
+    case Q5_0Block::ID: return with_isa(Q5_0Block{});
+    default: return with_isa(IQ4_NLBlock{});
+  }
+}
+
+int64_t check_rows(const at::Tensor& w, int64_t K, int64_t id, const char* op) {
+  const int64_t bytes = block_bytes(id);
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), op, ": ", type_name(id),
+              " rows must be a contiguous uint8 [N, K/32*", bytes, "] tensor, got ", w.scalar_type(), " ", w.sizes());
+  TORCH_CHECK(K % QK8 == 0 && w.size(1) == K / QK8 * bytes, op, ": activations of ", K, " features need ",
+              type_name(id), " rows of ", K / QK8 * bytes, " bytes (K a multiple of 32), got ", w.size(1));
   return w.size(0);
 }
 
@@ -199,107 +303,103 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_q8(const at::Tensor& x_in) {
   return {q, d};
 }
 
-template <Isa I>
+template <Isa I, typename B>
 void block_sums_impl(const int8_t* a, int64_t T, const uint8_t* w, int64_t N, int64_t nb, int32_t* out) {
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t t = 0; t < T; ++t)
-        row_block_sums<I>(w + n * nb * Q8_0_BYTES, a + t * nb * QK8, nb, out + (t * N + n) * nb);
+        row_block_sums<I, B>(w + n * nb * B::BYTES, a + t * nb * QK8, nb, out + (t * N + n) * nb);
   });
 }
 
-// The integer block sums of activation blocks q [T, K] with Q8_0 rows w [N, K/32*34] → int32 [T, N, K/32].
-at::Tensor q8_0_block_sums(const at::Tensor& q_in, const at::Tensor& w, const std::string& isa) {
-  TORCH_CHECK(q_in.scalar_type() == at::kChar && q_in.dim() == 2, "q8_0_block_sums: q must be int8 [T, K]");
+// The integer block sums of activation blocks q [T, K] with rows w [N, K/32*bytes] of block type
+// `ggml_type` → int32 [T, N, K/32].
+at::Tensor q8_block_sums(const at::Tensor& q_in, const at::Tensor& w, int64_t ggml_type, const std::string& isa) {
+  TORCH_CHECK(q_in.scalar_type() == at::kChar && q_in.dim() == 2, "q8_block_sums: q must be int8 [T, K]");
   const at::Tensor q = q_in.contiguous();
-  const int64_t T = q.size(0), K = q.size(1), N = check_q8_0_rows(w, K, "q8_0_block_sums"), nb = K / QK8;
+  const int64_t T = q.size(0), K = q.size(1), N = check_rows(w, K, ggml_type, "q8_block_sums"), nb = K / QK8;
   at::Tensor out = at::empty({T, N, nb}, q.options().dtype(at::kInt));
-  const int8_t* a = q.data_ptr<int8_t>();
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  int32_t* op = out.data_ptr<int32_t>();
-  switch (parse_isa(isa)) {
-    case Isa::Vnni: block_sums_impl<Isa::Vnni>(a, T, wp, N, nb, op); break;
-    case Isa::Avx2: block_sums_impl<Isa::Avx2>(a, T, wp, N, nb, op); break;
-    case Isa::Scalar: block_sums_impl<Isa::Scalar>(a, T, wp, N, nb, op); break;
-  }
+  dispatch(ggml_type, isa, [&](auto block, auto path) {
+    block_sums_impl<decltype(path)::value, decltype(block)>(q.data_ptr<int8_t>(), T, w.data_ptr<uint8_t>(), N, nb,
+                                                            out.data_ptr<int32_t>());
+  });
   return out;
+}
+
+// f16 scales of a row of nb blocks.
+template <typename B>
+inline void row_scales(const uint8_t* wr, int64_t nb, float* dw) {
+  for (int64_t b = 0; b < nb; ++b) dw[b] = fp16(wr + b * B::BYTES);
 }
 
 // y [T, N] = x @ W.T: threads split W's rows; each weight row is read once from memory and its
 // f16 scales widened once, then dotted with every activation row while it sits in L1.
-template <Isa I>
+template <Isa I, typename B>
 void matmul_impl(const int8_t* a, const float* dx, int64_t T, const uint8_t* w, int64_t N, int64_t nb, float* y) {
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     std::vector<float> dw(nb);
     for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* wr = w + n * nb * Q8_0_BYTES;
-      for (int64_t b = 0; b < nb; ++b) dw[b] = fp16(wr + b * Q8_0_BYTES);
+      const uint8_t* wr = w + n * nb * B::BYTES;
+      row_scales<B>(wr, nb, dw.data());
 #ifdef __AVX2__
       // One stream of weights keeps too few cache misses in flight: fetch the row 4 KiB ahead.
-      for (int64_t at = 0; at < nb * Q8_0_BYTES; at += 64)
+      for (int64_t at = 0; at < nb * B::BYTES; at += 64)
         _mm_prefetch(reinterpret_cast<const char*>(wr + 4096 + at), _MM_HINT_T0);
 #endif
-      for (int64_t t = 0; t < T; ++t) y[t * N + n] = row_dot<I>(wr, dw.data(), a + t * nb * QK8, dx + t * nb, nb);
+      for (int64_t t = 0; t < T; ++t) y[t * N + n] = row_dot<I, B>(wr, dw.data(), a + t * nb * QK8, dx + t * nb, nb);
     }
   });
 }
 
-at::Tensor q8_0_matmul(const at::Tensor& x, const at::Tensor& w, const std::string& isa) {
-  TORCH_CHECK(x.dim() == 2, "q8_0_matmul: x must be [T, K], got ", x.sizes());
-  const int64_t T = x.size(0), K = x.size(1), N = check_q8_0_rows(w, K, "q8_0_matmul"), nb = K / QK8;
-  const Isa path = parse_isa(isa);
+at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type, const std::string& isa) {
+  TORCH_CHECK(x.dim() == 2, "q8_matmul: x must be [T, K], got ", x.sizes());
+  const int64_t T = x.size(0), K = x.size(1), N = check_rows(w, K, ggml_type, "q8_matmul"), nb = K / QK8;
+  parse_isa(isa);
   const auto [q, d] = quantize_rows_q8(x);
   at::Tensor y = at::empty({T, N}, x.options().dtype(at::kFloat));
-  const int8_t* a = q.data_ptr<int8_t>();
-  const float* dx = d.data_ptr<float>();
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
-  switch (path) {
-    case Isa::Vnni: matmul_impl<Isa::Vnni>(a, dx, T, wp, N, nb, yp); break;
-    case Isa::Avx2: matmul_impl<Isa::Avx2>(a, dx, T, wp, N, nb, yp); break;
-    case Isa::Scalar: matmul_impl<Isa::Scalar>(a, dx, T, wp, N, nb, yp); break;
-  }
+  dispatch(ggml_type, isa, [&](auto block, auto path) {
+    matmul_impl<decltype(path)::value, decltype(block)>(q.data_ptr<int8_t>(), d.data_ptr<float>(), T,
+                                                        w.data_ptr<uint8_t>(), N, nb, y.data_ptr<float>());
+  });
   return y;
 }
 
-// y [P, N]: row p of x times expert ids[p]'s weight, w [E, N, K/32*34] (MoE decode: one call per
+// y [P, N]: row p of x times expert ids[p]'s weight, w [E, N, K/32*bytes] (MoE decode: one call per
 // projection for every (token, expert) pair). Threads split the pairs' rows.
-template <Isa I>
+template <Isa I, typename B>
 void experts_impl(const int8_t* a, const float* dx, int64_t P, const uint8_t* w, const int64_t* ids, int64_t N,
                   int64_t nb, float* y) {
-  const int64_t row_bytes = nb * Q8_0_BYTES;
+  const int64_t row_bytes = nb * B::BYTES;
   at::parallel_for(0, P * N, 16, [&](int64_t i0, int64_t i1) {
     std::vector<float> dw(nb);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t p = i / N, n = i % N;
       const uint8_t* wr = w + (ids[p] * N + n) * row_bytes;
-      for (int64_t b = 0; b < nb; ++b) dw[b] = fp16(wr + b * Q8_0_BYTES);
-      y[i] = row_dot<I>(wr, dw.data(), a + p * nb * QK8, dx + p * nb, nb);
+      row_scales<B>(wr, nb, dw.data());
+      y[i] = row_dot<I, B>(wr, dw.data(), a + p * nb * QK8, dx + p * nb, nb);
     }
   });
 }
 
-at::Tensor q8_0_experts_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ids_in,
-                               const std::string& isa) {
+at::Tensor q8_experts_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ids_in, int64_t ggml_type,
+                             const std::string& isa) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous(),
-              "q8_0_experts_matmul: x must be [P, K] and w contiguous uint8 [E, N, K/32*34]");
+              "q8_experts_matmul: x must be [P, K] and w contiguous uint8 [E, N, K/32*bytes]");
   const int64_t P = x.size(0), K = x.size(1), E = w.size(0), N = w.size(1), nb = K / QK8;
-  TORCH_CHECK(K % QK8 == 0 && w.size(2) == nb * Q8_0_BYTES, "q8_0_experts_matmul: activations of ", K,
-              " features need rows of ", nb * Q8_0_BYTES, " bytes, got ", w.size(2));
+  const int64_t bytes = block_bytes(ggml_type);
+  TORCH_CHECK(K % QK8 == 0 && w.size(2) == nb * bytes, "q8_experts_matmul: activations of ", K, " features need ",
+              type_name(ggml_type), " rows of ", nb * bytes, " bytes, got ", w.size(2));
   const at::Tensor ids = ids_in.to(at::kLong).contiguous();
-  TORCH_CHECK(ids.numel() == P, "q8_0_experts_matmul: one expert id per row of x");
+  TORCH_CHECK(ids.numel() == P, "q8_experts_matmul: one expert id per row of x");
   const int64_t* idp = ids.data_ptr<int64_t>();
-  for (int64_t p = 0; p < P; ++p) TORCH_CHECK(idp[p] >= 0 && idp[p] < E, "q8_0_experts_matmul: expert ", idp[p], " out of range");
-  const Isa path = parse_isa(isa);
+  for (int64_t p = 0; p < P; ++p) TORCH_CHECK(idp[p] >= 0 && idp[p] < E, "q8_experts_matmul: expert ", idp[p], " out of range");
+  parse_isa(isa);
   const auto [q, d] = quantize_rows_q8(x);
   at::Tensor y = at::empty({P, N}, x.options().dtype(at::kFloat));
-  const auto args = std::make_tuple(q.data_ptr<int8_t>(), d.data_ptr<float>(), P, w.data_ptr<uint8_t>(), idp, N, nb,
-                                    y.data_ptr<float>());
-  switch (path) {
-    case Isa::Vnni: std::apply(experts_impl<Isa::Vnni>, args); break;
-    case Isa::Avx2: std::apply(experts_impl<Isa::Avx2>, args); break;
-    case Isa::Scalar: std::apply(experts_impl<Isa::Scalar>, args); break;
-  }
+  dispatch(ggml_type, isa, [&](auto block, auto path) {
+    experts_impl<decltype(path)::value, decltype(block)>(q.data_ptr<int8_t>(), d.data_ptr<float>(), P,
+                                                         w.data_ptr<uint8_t>(), idp, N, nb, y.data_ptr<float>());
+  });
   return y;
 }
 
@@ -307,15 +407,15 @@ at::Tensor q8_0_experts_matmul(const at::Tensor& x, const at::Tensor& w, const a
 
 TORCH_LIBRARY_FRAGMENT(hybridkv, m) {
   m.def("q8_isas() -> str[]", q8_isas);  // no tensor to dispatch on: one kernel for every backend
-  m.def("q8_0_experts_matmul(Tensor x, Tensor w, Tensor ids, str isa) -> Tensor");
+  m.def("q8_experts_matmul(Tensor x, Tensor w, Tensor ids, int ggml_type, str isa) -> Tensor");
   m.def("quantize_rows_q8(Tensor x) -> (Tensor, Tensor)");
-  m.def("q8_0_block_sums(Tensor q, Tensor w, str isa) -> Tensor");
-  m.def("q8_0_matmul(Tensor x, Tensor w, str isa) -> Tensor");
+  m.def("q8_block_sums(Tensor q, Tensor w, int ggml_type, str isa) -> Tensor");
+  m.def("q8_matmul(Tensor x, Tensor w, int ggml_type, str isa) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hybridkv, CPU, m) {
   m.impl("quantize_rows_q8", quantize_rows_q8);
-  m.impl("q8_0_block_sums", q8_0_block_sums);
-  m.impl("q8_0_matmul", q8_0_matmul);
-  m.impl("q8_0_experts_matmul", q8_0_experts_matmul);
+  m.impl("q8_block_sums", q8_block_sums);
+  m.impl("q8_matmul", q8_matmul);
+  m.impl("q8_experts_matmul", q8_experts_matmul);
 }

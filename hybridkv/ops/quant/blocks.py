@@ -28,7 +28,10 @@ def _fields(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
     Shifts and masks four bytes at a time as int32 words (10x faster than uint8 ops that broadcast).
     """
-    words = packed.contiguous().view(torch.int32)
+    packed = packed.contiguous()
+    if packed.storage_offset() % 4 or packed.stride(0) % 4:  # one row sliced from a block: a fresh copy
+        packed = torch.empty(packed.shape, dtype=packed.dtype).copy_(packed)
+    words = packed.view(torch.int32)
     mask = int.from_bytes(bytes([(1 << bits) - 1] * 4), "little")
     fields = torch.empty(packed.shape[0], 8 // bits, words.shape[1], dtype=torch.int32)
     for i in range(8 // bits):
@@ -89,6 +92,23 @@ def iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
     """f16 d; u8 qs[16] as in Q4_0 → d·LEVELS[q]."""
     q = _nibbles(blocks[:, 2:]).reshape(-1).int()
     return _IQ4_NL_LEVELS.index_select(0, q).view(-1, 32).mul_(_f16(blocks, 0))
+
+
+def symmetric_codes(blocks: torch.Tensor, type_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks [B, bytes] of a symmetric 32-weight type (Q8_0 8, Q4_0 2, Q5_0 6, IQ4_NL 20) → their
+    signed codes int8 [B, 32] and scales d float32 [B], weight = d·code (what the 8-bit-activation
+    integer dot multiplies)."""
+    if type_id == 8:
+        q = blocks[:, 2:].contiguous().view(torch.int8)
+    elif type_id == 2:
+        q = (_nibbles(blocks[:, 2:]).to(torch.int16) - 8).to(torch.int8)
+    elif type_id == 6:
+        q = ((_nibbles(blocks[:, 6:]) | (_bits32(blocks[:, 2:6]) << 4)).to(torch.int16) - 16).to(torch.int8)
+    elif type_id == 20:
+        q = _IQ4_NL_LEVELS.index_select(0, _nibbles(blocks[:, 2:]).reshape(-1).int()).view(-1, 32).to(torch.int8)
+    else:
+        raise ValueError(f"ggml type {type_id} is not a symmetric 32-weight type (Q8_0, Q4_0, Q5_0, IQ4_NL)")
+    return q, _f16(blocks, 0).reshape(-1)
 
 
 def k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,6 @@
-"""llama.cpp's decode scheme for Q8_0 weights: integer dot products on 8-bit activation blocks.
+"""llama.cpp's decode scheme for the symmetric 32-weight types — Q8_0, and Q5_0, Q4_0, IQ4_NL (the
+fallbacks llama.cpp writes for rows that are not a multiple of 256), whose vec_dot type is Q8_0:
+integer dot products on 8-bit activation blocks.
 
 Each activation row is quantized once into blocks of 32 (`quantize_rows_q8`); a weight block and
 an activation block then meet as one exact integer dot product (the block sum), scaled by one float
@@ -6,20 +8,24 @@ multiply, d_w·d_x. Here is the readable PyTorch twin — the NumPy-emulation-st
 the C++ kernel (`csrc/quant.cpp`) matches: the same activation blocks bit for bit, the same
 integer block sums exactly, and the float result up to summation order.
 
-Shapes: x [T, K] float32 (K = in features, a multiple of 32); W rows uint8 [N, K/32·34] (N = out
-features), each a run of Q8_0 blocks (f16 d; i8 q[32]); nb = K/32 blocks per row.
+Shapes: x [T, K] float32 (K = in features, a multiple of 32); W rows uint8 [N, K/32·bytes] (N =
+out features), each a run of blocks (f16 d, then the codes: Q8_0 i8 q[32]; Q4_0 nibbles − 8; Q5_0
+five bits − 16; IQ4_NL a level per nibble; `blocks.symmetric_codes`); nb = K/32 blocks per row.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
 from hybridkv.ops import native
+from hybridkv.ops.quant import blocks
 
 QK8 = 32
-Q8_0_BYTES = 34
+Q8_0 = 8
+BLOCK_BYTES = {8: 34, 2: 18, 6: 22, 20: 18}  # ggml id → bytes per block: Q8_0, Q4_0, Q5_0, IQ4_NL
 # Up to this many activation rows the integer kernel streams the weight once (decode).
 FEW_ROWS = 32
 ISAS = ("vnni", "avx2", "scalar")  # the C++ kernel's code paths, fastest first
@@ -43,12 +49,11 @@ def quantize_rows_q8(x: torch.Tensor) -> Q8Rows:
     return Q8Rows(q.reshape(T, K), d)
 
 
-def split_q8_0(rows: torch.Tensor) -> Q8Rows:
-    """Q8_0 weight rows uint8 [N, nb·34] → q int8 [N, K], d float32 [N, nb]."""
+def split_rows(rows: torch.Tensor, ggml_id: int = Q8_0) -> Q8Rows:
+    """Weight rows uint8 [N, nb·bytes] of a symmetric 32-weight type → codes int8 [N, K], d float32 [N, nb]."""
     N, row_bytes = rows.shape
-    b = rows.reshape(N, row_bytes // Q8_0_BYTES, Q8_0_BYTES)
-    d = b[..., :2].contiguous().view(torch.float16).float().reshape(N, -1)
-    return Q8Rows(b[..., 2:].contiguous().view(torch.int8).reshape(N, -1), d)
+    q, d = blocks.symmetric_codes(rows.reshape(-1, BLOCK_BYTES[ggml_id]), ggml_id)
+    return Q8Rows(q.reshape(N, -1), d.reshape(N, -1))
 
 
 def block_sums(x: Q8Rows, w: Q8Rows) -> torch.Tensor:
@@ -61,7 +66,7 @@ def block_sums(x: Q8Rows, w: Q8Rows) -> torch.Tensor:
     return torch.bmm(xq, wq).permute(1, 2, 0).to(torch.int32)
 
 
-def q8_0_matmul_twin(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def q8_matmul_twin(x: torch.Tensor, rows: torch.Tensor, ggml_id: int = Q8_0) -> torch.Tensor:
     """x [T, K] @ W.T → [T, N] float32: Σ over blocks of block_sum·(d_w·d_x), the integer path's
     reference (runs N in chunks, so the [T, N, nb] sums stay small)."""
     xq = quantize_rows_q8(x)
@@ -69,7 +74,7 @@ def q8_0_matmul_twin(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     step = max(1, (1 << 20) // max(1, xq.d.numel()))
     out = []
     for n in range(0, N, step):
-        w = split_q8_0(rows[n : n + step])
+        w = split_rows(rows[n : n + step], ggml_id)
         scale = w.d[None, :, :] * xq.d[:, None, :]  # [T, n, nb]
         out.append((block_sums(xq, w).float() * scale).sum(-1))
     return torch.cat(out, dim=1) if out else torch.zeros(x.shape[0], 0)
@@ -94,28 +99,38 @@ def native_quantize_rows_q8(x: torch.Tensor) -> Q8Rows:
     return Q8Rows(q, d)
 
 
-def native_block_sums(x: Q8Rows, rows: torch.Tensor, isa: str = "auto") -> torch.Tensor:
-    """`block_sums(x, split_q8_0(rows))` by the C++ kernel's integer dot (the one `native_q8_0_matmul`
-    runs), on code path `isa` ('auto': the fastest here)."""
-    return _ops().q8_0_block_sums(x.q, rows, isa)
+def native_block_sums(x: Q8Rows, rows: torch.Tensor, ggml_id: int = Q8_0, isa: str = "auto") -> torch.Tensor:
+    """`block_sums(x, split_rows(rows, ggml_id))` by the C++ kernel's integer dot (the one
+    `native_q8_matmul` runs), on code path `isa` ('auto': the fastest here)."""
+    return _ops().q8_block_sums(x.q, rows, ggml_id, isa)
 
 
-def native_q8_0_matmul(x: torch.Tensor, rows: torch.Tensor, isa: str = "auto") -> torch.Tensor:
-    """`q8_0_matmul_twin` by the C++ kernel: each row of x quantized once, the weight streamed once."""
-    return _ops().q8_0_matmul(x, rows, isa)
+def native_q8_matmul(x: torch.Tensor, rows: torch.Tensor, ggml_id: int = Q8_0, isa: str = "auto") -> torch.Tensor:
+    """`q8_matmul_twin` by the C++ kernel: each row of x quantized once, the weight streamed once."""
+    return _ops().q8_matmul(x, rows, ggml_id, isa)
 
 
-def q8_0_matmul(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """x [T, K] float32 @ W.T for Q8_0 rows [N, nb·34] → [T, N] float32, for few rows: the C++ kernel,
-    else its twin (the same numbers up to summation order)."""
-    if native.enabled(x, rows):
-        return native_q8_0_matmul(x, rows)
-    return q8_0_matmul_twin(x, rows)
+MatmulFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def native_q8_0_experts_matmul(
-    x: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, isa: str = "auto"
+def kernel_or_twin(kernel: Callable[..., torch.Tensor], twin: Callable[..., torch.Tensor], ggml_id: int) -> MatmulFn:
+    """A traits-table product for type `ggml_id`: x [T, K] float32 @ W.T → [T, N] float32 by the C++
+    `kernel`, else (kernels off or unbuilt) its PyTorch `twin`, the same numbers up to summation order."""
+
+    def matmul(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return kernel(x, rows, ggml_id) if native.enabled(x, rows) else twin(x, rows, ggml_id)
+
+    return matmul
+
+
+def q8_matmul(ggml_id: int) -> MatmulFn:
+    """The traits table's product for a symmetric 32-weight type (Q8_0, Q4_0, Q5_0, IQ4_NL)."""
+    return kernel_or_twin(native_q8_matmul, q8_matmul_twin, ggml_id)
+
+
+def native_q8_experts_matmul(
+    x: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, ggml_id: int = Q8_0, isa: str = "auto"
 ) -> torch.Tensor:
-    """Row p of x [P, K] times expert ids[p]'s Q8_0 rows (rows [E, N, nb·34]) → [P, N] float32: the
-    products `native_q8_0_matmul` computes, every (token, expert) pair of a MoE step in one call."""
-    return _ops().q8_0_experts_matmul(x, rows, ids, isa)
+    """Row p of x [P, K] times expert ids[p]'s rows (rows [E, N, nb·bytes]) → [P, N] float32: the
+    products `native_q8_matmul` computes, every (token, expert) pair of a MoE step in one call."""
+    return _ops().q8_experts_matmul(x, rows, ids, ggml_id, isa)

@@ -17,13 +17,13 @@ Shapes: x [T, K] float32 (K a multiple of 256, nb = K/256); W rows uint8 [N, nbÂ
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
 from hybridkv.ops import native
 from hybridkv.ops.quant import blocks
+from hybridkv.ops.quant.int8_dot import MatmulFn, kernel_or_twin
 
 QK_K = 256
 ISAS = ("avx2", "scalar")  # the C++ kernel's code paths, fastest first
@@ -165,16 +165,9 @@ def native_k_matmul(x: torch.Tensor, rows: torch.Tensor, ggml_id: int, isa: str 
     return _ops().kq_matmul(x, rows, ggml_id, isa)
 
 
-def k_matmul(ggml_id: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The traits table's few-row product for a K-quant: x [T, K] float32 @ W.T â†’ [T, N] float32 by
-    the C++ kernel, else its twin (the same numbers up to summation order)."""
-
-    def matmul(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        if native.enabled(x, rows):
-            return native_k_matmul(x, rows, ggml_id)
-        return k_matmul_twin(x, rows, ggml_id)
-
-    return matmul
+def k_matmul(ggml_id: int) -> MatmulFn:
+    """The traits table's product for a K-quant (Q4_K, Q5_K, Q6_K)."""
+    return kernel_or_twin(native_k_matmul, k_matmul_twin, ggml_id)
 
 
 def native_k_experts_matmul(

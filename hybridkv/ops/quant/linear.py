@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from hybridkv.ops import native
 from hybridkv.ops.matmul import mm
-from hybridkv.ops.quant.int8_dot import native_q8_0_experts_matmul
+from hybridkv.ops.quant.int8_dot import native_q8_experts_matmul
 from hybridkv.ops.quant.k_dot import native_k_experts_matmul
 from hybridkv.ops.quant.weight import QuantizedWeight
 
@@ -165,8 +165,8 @@ def _pairs_part(x: torch.Tensor, part: Part, ids: torch.Tensor) -> torch.Tensor:
     kernel = isinstance(part, QuantizedWeight) and part.btype.matmul is not None and not getattr(_mode, "float", False)
     if kernel and isinstance(part, QuantizedWeight) and native.enabled(x, part.blocks):
         blocks = part.blocks.contiguous()
-        if part.btype.block_elems == 32:  # Q8_0
-            return native_q8_0_experts_matmul(x.float(), blocks, ids)
+        if part.btype.block_elems == 32:  # Q8_0, Q5_0, Q4_0, IQ4_NL
+            return native_q8_experts_matmul(x.float(), blocks, ids, int(part.btype.ggml_type))
         return native_k_experts_matmul(x.float(), blocks, ids, int(part.btype.ggml_type))
     # without the kernels (or under float_activations): each pair through its expert's own product
     rows = [QuantLinear((_expert_part(part, e),)).matmul(x[p : p + 1]).float() for p, e in enumerate(ids.tolist())]
