@@ -403,24 +403,36 @@ def test_against_llama_cpp_on_the_same_file():
 @pytest.mark.parametrize("file_type", ["q8_0", "q4_k_m"])
 def test_without_a_model_the_llama_cpp_peer_writes_the_shape_as_a_gguf_file(tmp_path, file_type):
     """Q8_0 by `hybridkv quantize`; Q4_K_M by llama.cpp's quantizer (where llama-cpp-python is
-    installed) from our BF16 file. Written beside the checkpoint once, then reused."""
-    import shutil
-
+    installed) from our BF16 file. Written beside the checkpoint once, then reused. A shape has
+    no tokenizer of its own: the bench writes a byte-level one first (a GGUF file needs one)."""
     from hf_reference import make_hf_model, save_checkpoint
 
     from hybridkv.bench.llama_cpp import shape_file
-    from hybridkv.default_model import default_model_dir
+    from hybridkv.engine.tokenizer import Tokenizer
     from hybridkv.models.gguf import GGUFFile, file_type_name
 
     if file_type == "q4_k_m":
         pytest.importorskip("llama_cpp")
     checkpoint = save_checkpoint(make_hf_model(vocab_size=4096), tmp_path / "shape")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(default_model_dir() / name, checkpoint / name)
     lines: list[str] = []
     path = shape_file(checkpoint, file_type, lines.append)
     assert path == tmp_path / f"shape-{file_type}.gguf"
     with GGUFFile(path) as f:
         assert file_type_name(f.metadata) == file_type.upper()
+        tokenizer = Tokenizer.from_gguf_metadata(f.metadata)
+    ids = tokenizer.encode("<|im_start|> the café")
+    assert ids[:2] == [260, 258] and tokenizer.decode(ids) == "<|im_start|> the café"
+    assert tokenizer.eos_token_ids == {259, 261}  # <|endoftext|> and <|im_end|>
     assert shape_file(checkpoint, file_type, lines.append) == path and lines[-1] == f"using {path}"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shape", path.name]  # no BF16 or partial file left
+
+
+def test_a_qwen3_5_shape_tokenizer_puts_qwens_tokens_at_their_ids(tmp_path):
+    from hybridkv.bench.workload import write_bench_tokenizer
+    from hybridkv.engine.tokenizer import Tokenizer
+
+    write_bench_tokenizer(tmp_path, 248_320)
+    tokenizer = Tokenizer.from_dir(tmp_path)
+    assert tokenizer.encode("<|endoftext|><|im_start|><|im_end|>") == [248_044, 248_045, 248_046]
+    with pytest.raises(ValueError, match="vocabulary of at least 262, got 100"):
+        write_bench_tokenizer(tmp_path, 100)

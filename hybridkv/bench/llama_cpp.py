@@ -274,8 +274,12 @@ def shape_file(checkpoint: Path, file_type: str, log: Callable[[str], None] = pr
     if path.is_file():
         log(f"using {path}")
         return path
+    from hybridkv.bench.workload import write_bench_tokenizer
+    from hybridkv.models.config import ModelConfig
     from hybridkv.models.gguf_writer import write_quantized
 
+    if not (checkpoint / "tokenizer.json").is_file():  # built before the bench wrote tokenizers
+        write_bench_tokenizer(checkpoint, ModelConfig.from_dir(checkpoint).vocab_size)
     ftype = GGUF_TYPES[file_type]
     if ftype is None:
         log(f"writing {path} (hybridkv quantize --type {file_type})")

@@ -19,6 +19,7 @@ The edit scenario replaces the last 10 tokens of user message 8 before its closi
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 from collections.abc import Callable, Mapping
@@ -275,6 +276,7 @@ def build_checkpoint(
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(shape.hf_config(), dtype=dtype)
     model.save_pretrained(path)
+    write_bench_tokenizer(path, model.config.vocab_size)
     return path
 
 
@@ -301,6 +303,44 @@ def load_peer(path: Path, dtype: torch.dtype) -> Any:
     transformers = require_transformers()
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
     return model.eval()
+
+
+# Qwen's first three added tokens, at Qwen3.5's ids (248044..) where the vocabulary reaches them.
+BENCH_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+QWEN35_FIRST_ADDED_ID = 248_044
+
+
+def _byte_alphabet() -> list[str]:
+    """GPT-2's printable stand-in for each byte, by byte value (byte-level BPE's alphabet)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in kept else chr(next(extra)) for b in range(256)]
+
+
+def write_bench_tokenizer(path: Path, vocab_size: int) -> None:
+    """tokenizer.json and tokenizer_config.json for a random-weight shape, so that `hybridkv
+    quantize` can write it as a GGUF file (whose readers, llama.cpp's included, need a vocabulary):
+    a byte-level BPE with one token per byte, the merges spelling " the", and Qwen's
+    <|endoftext|>, <|im_start|>, <|im_end|> (eos). The ids mean nothing to random weights: the
+    bench feeds token ids, never text."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {char: b for b, char in enumerate(_byte_alphabet())}
+    merges = [("Ġ", "t"), ("h", "e"), ("Ġt", "he")]
+    for left, right in merges:
+        vocab[left + right] = len(vocab)
+    first = QWEN35_FIRST_ADDED_ID if vocab_size >= QWEN35_FIRST_ADDED_ID + len(BENCH_SPECIAL_TOKENS) else len(vocab)
+    vocab |= {token: first + i for i, token in enumerate(BENCH_SPECIAL_TOKENS)}
+    if max(vocab.values()) >= vocab_size:
+        raise ValueError(f"a bench tokenizer needs a vocabulary of at least {max(vocab.values()) + 1}, got {vocab_size}")
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in BENCH_SPECIAL_TOKENS])
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(path / "tokenizer.json"))
+    config = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "add_prefix_space": False}
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
 
 
 def random_ids(n: int, vocab_size: int, seed: int) -> list[int]:
