@@ -331,8 +331,8 @@ def write_bench_tokenizer(path: Path, vocab_size: int) -> None:
         vocab[left + right] = len(vocab)
     first = QWEN35_FIRST_ADDED_ID if vocab_size >= QWEN35_FIRST_ADDED_ID + len(BENCH_SPECIAL_TOKENS) else len(vocab)
     vocab |= {token: first + i for i, token in enumerate(BENCH_SPECIAL_TOKENS)}
-    if max(vocab.values()) >= vocab_size:
-        raise ValueError(f"a bench tokenizer needs a vocabulary of at least {max(vocab.values()) + 1}, got {vocab_size}")
+    if (needed := max(vocab.values()) + 1) > vocab_size:
+        raise ValueError(f"a bench tokenizer needs a vocabulary of at least {needed}, got {vocab_size}")
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
