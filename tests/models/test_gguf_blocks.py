@@ -117,12 +117,12 @@ def test_a_projection_of_mixed_parts_multiplies_each_on_its_own_kind(monkeypatch
 
 
 def random_blocks(w: torch.Tensor, type_id: int, gen: torch.Generator) -> QuantizedWeight:
-    """Valid random blocks of `type_id` for a weight of w's shape (gguf-py quantizes Q8_0; K-quant
-    blocks get random bytes with small finite scales)."""
+    """Valid random blocks of `type_id` for a weight of w's shape (gguf-py quantizes Q8_0 and Q5_0;
+    K-quant blocks get random bytes with small finite scales)."""
     from gguf import GGMLQuantizationType, quants
 
-    if type_id == 8:
-        data = quants.quantize(w.numpy(), GGMLQuantizationType.Q8_0)
+    if type_id in (8, 6):
+        data = quants.quantize(w.numpy(), GGMLQuantizationType(type_id))
         return QuantizedWeight.of(torch.from_numpy(data), type_id)
     bytes_per = {12: 144, 14: 210}[type_id]
     nb = w.shape[1] // 256
@@ -141,7 +141,7 @@ def test_bfloat16_compute_on_blocks_tracks_float32():
     assert (bf16 - f32).abs().max() <= 0.15 * f32.abs().max()
 
 
-@pytest.mark.parametrize("type_id", [8, 12, 14])  # Q8_0, Q4_K, Q6_K
+@pytest.mark.parametrize("type_id", [8, 6, 12, 14])  # Q8_0, Q5_0, Q4_K, Q6_K
 def test_all_pairs_of_a_moe_step_in_one_call_equal_each_experts_own_product(type_id):
     gen = torch.Generator().manual_seed(type_id)
     E, N, K = 5, 24, 512

@@ -364,19 +364,36 @@ at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type
   return y;
 }
 
+// The P pairs grouped by expert: pairs[start[g]..start[g + 1]) all use one expert (stable order).
+void group_by_expert(const int64_t* ids, int64_t P, std::vector<int64_t>& pairs, std::vector<int64_t>& start) {
+  pairs.resize(P);
+  for (int64_t p = 0; p < P; ++p) pairs[p] = p;
+  std::stable_sort(pairs.begin(), pairs.end(), [&](int64_t a, int64_t b) { return ids[a] < ids[b]; });
+  start.assign(1, 0);
+  for (int64_t i = 1; i <= P; ++i)
+    if (i == P || ids[pairs[i]] != ids[pairs[i - 1]]) start.push_back(i);
+}
+
 // y [P, N]: row p of x times expert ids[p]'s weight, w [E, N, K/32*bytes] (MoE decode: one call per
-// projection for every (token, expert) pair). Threads split the pairs' rows.
+// projection for every (token, expert) pair). The pairs are grouped by expert and threads split
+// each expert's rows: a row is read once for all the tokens routed to its expert.
 template <Isa I, typename B>
 void experts_impl(const int8_t* a, const float* dx, int64_t P, const uint8_t* w, const int64_t* ids, int64_t N,
                   int64_t nb, float* y) {
   const int64_t row_bytes = nb * B::BYTES;
-  at::parallel_for(0, P * N, 16, [&](int64_t i0, int64_t i1) {
+  std::vector<int64_t> pairs, start;
+  group_by_expert(ids, P, pairs, start);
+  const int64_t G = static_cast<int64_t>(start.size()) - 1;
+  at::parallel_for(0, G * N, 16, [&](int64_t u0, int64_t u1) {
     std::vector<float> dw(nb);
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t p = i / N, n = i % N;
-      const uint8_t* wr = w + (ids[p] * N + n) * row_bytes;
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t g = u / N, n = u % N;
+      const uint8_t* wr = w + (ids[pairs[start[g]]] * N + n) * row_bytes;
       row_scales<B>(wr, nb, dw.data());
-      y[i] = row_dot<I, B>(wr, dw.data(), a + p * nb * QK8, dx + p * nb, nb);
+      for (int64_t i = start[g]; i < start[g + 1]; ++i) {
+        const int64_t p = pairs[i];
+        y[p * N + n] = row_dot<I, B>(wr, dw.data(), a + p * nb * QK8, dx + p * nb, nb);
+      }
     }
   });
 }
