@@ -164,6 +164,40 @@ def test_all_pairs_of_a_moe_step_in_one_call_equal_each_experts_own_product(type
         )
 
 
+def random_experts(E: int, out: int, K: int, gen: torch.Generator) -> QuantExperts:
+    """E experts' [out, K] Q8_0 blocks, gguf-py quantized."""
+    experts = [random_blocks(torch.randn(out, K, generator=gen), 8, gen) for _ in range(E)]
+    return QuantExperts((QuantizedWeight(torch.stack([e.blocks for e in experts]), experts[0].btype, (E, out, K)),))
+
+
+@pytest.mark.parametrize("tokens", [7, 9, 200])  # 28 pairs; 36: past FEW_ROWS, one call still; 800: the loop
+def test_batched_decode_experts_run_in_one_call_and_equal_the_per_expert_loop(tokens, monkeypatch):
+    from hybridkv.ops import moe, native
+    from hybridkv.ops.quant import int8_dot
+
+    ops = native.kernels()
+    if ops is None:
+        pytest.skip("C++ kernels could not be built here")
+    gen = torch.Generator().manual_seed(tokens)
+    E, K, I, top_k = 6, 256, 64, 4
+    gate_up, down = random_experts(E, 2 * I, K, gen), random_experts(E, K, I, gen)
+    x = torch.randn(tokens, K, generator=gen)
+    experts = torch.stack([torch.randperm(E, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=gen)
+    calls: list[str] = []
+
+    class Counting:
+        def __getattr__(self, name: str):
+            calls.append(name)
+            return getattr(ops, name)
+
+    monkeypatch.setattr(int8_dot, "_ops", Counting)
+    got = moe.routed_experts(x, experts, weights, gate_up, down)
+    assert calls.count("q8_experts_matmul") == (2 if tokens * top_k <= moe.PAIRS_ROWS else 0)
+    want = moe._routed_loop(x, experts, weights, gate_up, down)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
 def test_a_q4_k_m_file_agrees_with_llama_cpp_itself():
     """llama.cpp's own logits on its own Q4_K_M file (scripts/make_gguf_fixtures.py --quantizer):
     both engines round activations to 8 bits, in other places and orders (llama.cpp also keeps

@@ -149,6 +149,10 @@ class QuantExperts:
     def expert(self, e: int) -> QuantLinear:
         return QuantLinear(tuple(_expert_part(p, e) for p in self.parts))
 
+    def pairs_in_one_call(self, x: torch.Tensor) -> bool:
+        """Whether `pairs_matmul` runs every part as one kernel call (else pair by pair)."""
+        return all(_pairs_kernel(x, p) for p in self.parts)
+
     def pairs_matmul(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Row p of x [P, in] times expert ids[p]'s W → [P, out] in x's dtype: every (token,
         expert) pair of a decode step in one kernel call per part."""
@@ -160,10 +164,19 @@ def _expert_part(p: Part, e: int) -> Part:
     return QuantizedWeight(p.blocks[e], p.btype, p.shape[1:]) if isinstance(p, QuantizedWeight) else p[e]
 
 
+def _pairs_kernel(x: torch.Tensor, part: Part) -> bool:
+    """Whether a part's (token, expert) products run in one C++ call."""
+    return (
+        isinstance(part, QuantizedWeight)
+        and part.btype.matmul is not None
+        and not getattr(_mode, "float", False)
+        and native.enabled(x, part.blocks)
+    )
+
+
 def _pairs_part(x: torch.Tensor, part: Part, ids: torch.Tensor) -> torch.Tensor:
     """x [P, in] @ (expert ids[p]'s part)ᵀ row by row → [P, out_i] float32."""
-    kernel = isinstance(part, QuantizedWeight) and part.btype.matmul is not None and not getattr(_mode, "float", False)
-    if kernel and isinstance(part, QuantizedWeight) and native.enabled(x, part.blocks):
+    if _pairs_kernel(x, part) and isinstance(part, QuantizedWeight):
         blocks = part.blocks.contiguous()
         if part.btype.block_elems == 32:  # Q8_0, Q5_0, Q4_0, IQ4_NL
             return native_q8_experts_matmul(x.float(), blocks, ids, int(part.btype.ggml_type))
