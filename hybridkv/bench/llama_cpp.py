@@ -278,7 +278,7 @@ def shape_file(checkpoint: Path, file_type: str, log: Callable[[str], None] = pr
     from hybridkv.models.config import ModelConfig
     from hybridkv.models.gguf_writer import write_quantized
 
-    if not (checkpoint / "tokenizer.json").is_file():  # built before the bench wrote tokenizers
+    if not (checkpoint / "tokenizer.json").is_file():  # a shape has none; a GGUF file needs one
         write_bench_tokenizer(checkpoint, ModelConfig.from_dir(checkpoint).vocab_size)
     ftype = GGUF_TYPES[file_type]
     if ftype is None:

@@ -276,7 +276,6 @@ def build_checkpoint(
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(shape.hf_config(), dtype=dtype)
     model.save_pretrained(path)
-    write_bench_tokenizer(path, model.config.vocab_size)
     return path
 
 
