@@ -55,8 +55,8 @@ def moe_block(
 
 
 # (token, expert) pairs of block experts that still go to one kernel call per projection (batched
-# decode: batch 8 of top-8 is 64); beyond, each expert in turn (prefill). At batch 8 on the
-# 35B-A3B expert shape the loop's ~700 calls per step took 380 ms against llama.cpp's 271.
+# decode: batch 8 of top-8 is 64); beyond, each expert in turn (prefill). A batch-8 step of the
+# moe-mini shape's Q8_0 file took 380 ms through the loop (~700 calls), ~260 ms this way.
 PAIRS_ROWS = 512
 
 
