@@ -161,12 +161,16 @@ inline __m256i unpack(const uint8_t* blk) {
   }
 }
 
-template <Isa I, typename B>
-inline __m256i block_dot(const uint8_t* blk, const int8_t* a) {
-  const __m256i w = unpack<B>(blk);
-  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
-  const __m256i w_abs = _mm256_sign_epi8(w, w);
-  const __m256i x_signed = _mm256_sign_epi8(x, w);
+inline float hsum_f32(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// The dot of |w| (unsigned) and x·sign(w) (signed) bytes as 8 int32 lanes.
+template <Isa I>
+inline __m256i signed_dot(__m256i w_abs, __m256i x_signed) {
 #ifdef HYBRIDKV_VNNI
   if constexpr (I == Isa::Vnni) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -179,6 +183,41 @@ inline __m256i block_dot(const uint8_t* blk, const int8_t* a) {
   // Byte pairs into int16 (|pair| <= 2·128·127 < 2^15: no saturation), then int16 pairs into int32.
   return _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, x_signed), _mm256_set1_epi16(1));
 }
+
+template <Isa I, typename B>
+inline __m256i block_dot(const uint8_t* blk, const int8_t* a) {
+  const __m256i w = unpack<B>(blk);
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
+  return signed_dot<I>(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+
+// R activation rows against one weight row: each block unpacked once and met by every row, its
+// 8 int32 lanes scaled into a float accumulator per row (llama.cpp's order), summed at the end.
+// Activation rows rows[0..R) (of nb blocks each, at a and dx) against one weight row: out[r·N] for
+// row rows[r].
+template <Isa I, typename B, int R>
+void row_dots(const uint8_t* w, const float* dw, const int8_t* a, const float* dx, int64_t nb, const int64_t* rows,
+              float* out, int64_t N) {
+  __m256 acc[R];
+  const int8_t* ar[R];
+  const float* dr[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    ar[r] = a + rows[r] * nb * QK8;
+    dr[r] = dx + rows[r] * nb;
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i wq = unpack<B>(w + b * B::BYTES);
+    const __m256i w_abs = _mm256_sign_epi8(wq, wq);
+    for (int r = 0; r < R; ++r) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ar[r] + b * QK8));
+      const __m256 sums = _mm256_cvtepi32_ps(signed_dot<I>(w_abs, _mm256_sign_epi8(x, wq)));
+      acc[r] = _mm256_fmadd_ps(sums, _mm256_set1_ps(dw[b] * dr[r][b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[rows[r] * N] = hsum_f32(acc[r]);
+}
+
 
 inline int32_t hsum_i32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -199,12 +238,6 @@ inline __m256i block_sums8(const uint8_t* w, const int8_t* a) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20), _mm256_permute2x128_si256(lo, hi, 0x31));
 }
 
-inline float hsum_f32(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 #endif
 
 // Block sums of one weight row (nb blocks at w) with one activation row (q at a) into out[nb].
@@ -241,6 +274,29 @@ float row_dot(const uint8_t* w, const float* dw, const int8_t* a, const float* d
 #endif
   for (; b < nb; ++b) s += static_cast<float>(block_sum_scalar<B>(w + b * B::BYTES, a + b * QK8)) * (dw[b] * dx[b]);
   return s;
+}
+
+// y[rows[i]·N] for the n activation rows rows[0..n) against one weight row: four at a time where
+// the CPU has the vector paths (each block unpacked once for all four), one by one otherwise.
+template <Isa I, typename B>
+void rows_dot(const uint8_t* w, const float* dw, const int8_t* a, const float* dx, int64_t nb, const int64_t* rows,
+              int64_t n, float* y, int64_t N) {
+  int64_t i = 0;
+#ifdef __AVX2__
+  if constexpr (I != Isa::Scalar) {
+    if (n > 1) {
+      for (; i + 4 <= n; i += 4) row_dots<I, B, 4>(w, dw, a, dx, nb, rows + i, y, N);
+      if (n - i == 3) {
+        row_dots<I, B, 3>(w, dw, a, dx, nb, rows + i, y, N);
+        i += 3;
+      } else if (n - i == 2) {
+        row_dots<I, B, 2>(w, dw, a, dx, nb, rows + i, y, N);
+        i += 2;
+      }
+    }
+  }
+#endif
+  for (; i < n; ++i) y[rows[i] * N] = row_dot<I, B>(w, dw, a + rows[i] * nb * QK8, dx + rows[i] * nb, nb);
 }
 
 const char* type_name(int64_t id) {
@@ -336,6 +392,8 @@ inline void row_scales(const uint8_t* wr, int64_t nb, float* dw) {
 // f16 scales widened once, then dotted with every activation row while it sits in L1.
 template <Isa I, typename B>
 void matmul_impl(const int8_t* a, const float* dx, int64_t T, const uint8_t* w, int64_t N, int64_t nb, float* y) {
+  std::vector<int64_t> all_rows(T);
+  for (int64_t t = 0; t < T; ++t) all_rows[t] = t;
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     std::vector<float> dw(nb);
     for (int64_t n = n0; n < n1; ++n) {
@@ -346,7 +404,7 @@ void matmul_impl(const int8_t* a, const float* dx, int64_t T, const uint8_t* w, 
       for (int64_t at = 0; at < nb * B::BYTES; at += 64)
         _mm_prefetch(reinterpret_cast<const char*>(wr + 4096 + at), _MM_HINT_T0);
 #endif
-      for (int64_t t = 0; t < T; ++t) y[t * N + n] = row_dot<I, B>(wr, dw.data(), a + t * nb * QK8, dx + t * nb, nb);
+      rows_dot<I, B>(wr, dw.data(), a, dx, nb, all_rows.data(), T, y + n, N);
     }
   });
 }
@@ -390,10 +448,7 @@ void experts_impl(const int8_t* a, const float* dx, int64_t P, const uint8_t* w,
       const int64_t g = u / N, n = u % N;
       const uint8_t* wr = w + (ids[pairs[start[g]]] * N + n) * row_bytes;
       row_scales<B>(wr, nb, dw.data());
-      for (int64_t i = start[g]; i < start[g + 1]; ++i) {
-        const int64_t p = pairs[i];
-        y[p * N + n] = row_dot<I, B>(wr, dw.data(), a + p * nb * QK8, dx + p * nb, nb);
-      }
+      rows_dot<I, B>(wr, dw.data(), a, dx, nb, pairs.data() + start[g], start[g + 1] - start[g], y + n, N);
     }
   });
 }
