@@ -28,6 +28,8 @@
 #include <tuple>
 #include <vector>
 
+#include "experts.h"
+
 // The per-super-block functions run inside the row loops: a call would spill the vectors.
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 
@@ -607,13 +609,9 @@ void experts_impl(const Q8K& xq, const uint8_t* w, const int64_t* ids, int64_t N
   const int8_t* a = xq.q.data_ptr<int8_t>();
   const float* dx = xq.d.data_ptr<float>();
   const std::vector<int16_t> xs = min_sums_of<KT>(xq.bsums.data_ptr<int16_t>(), P * nb);
-  // Grouped by expert (stable), threads splitting each expert's rows: a row is read once for all
-  // the tokens routed to its expert.
-  std::vector<int64_t> pairs(P), start(1, 0);
-  for (int64_t p = 0; p < P; ++p) pairs[p] = p;
-  std::stable_sort(pairs.begin(), pairs.end(), [&](int64_t l, int64_t r) { return ids[l] < ids[r]; });
-  for (int64_t i = 1; i <= P; ++i)
-    if (i == P || ids[pairs[i]] != ids[pairs[i - 1]]) start.push_back(i);
+  // Threads split each expert's rows.
+  std::vector<int64_t> pairs, start;
+  hybridkv::group_by_expert(ids, P, pairs, start);
   const int64_t G = static_cast<int64_t>(start.size()) - 1;
   at::parallel_for(0, G * N, 16, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {

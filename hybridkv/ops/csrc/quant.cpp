@@ -4,9 +4,9 @@
 // IQ4_NL, whose vec_dot type is Q8_0): each activation row is quantized once into 8-bit blocks of
 // 32 (d = max|x|/127 kept in float32); a weight block (f16 d, then its codes, read in place from the
 // file's rows and unpacked to 32 int8 in registers) and an activation block meet as one exact
-// integer dot product, then one float multiply by d_w·d_x. Three code paths give the same integer sums: AVX-512 VNNI or
-// AVX-VNNI (`dpbusd`), AVX2 (`maddubs` + `madd`), and a plain loop; `isa` picks one, so the tests
-// run each that this CPU has. Built with -march=native, so the VNNI path exists only where the CPU
+// integer dot product, then one float multiply by d_w·d_x. Three code paths give the same integer
+// sums: AVX-512 VNNI or AVX-VNNI (`dpbusd`), AVX2 (`maddubs` + `madd`), and a plain loop; `isa`
+// picks one, so the tests run each that this CPU has. Built with -march=native, so the VNNI path exists only where the CPU
 // has it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -23,6 +23,8 @@
 #include <cstring>
 #include <string>
 #include <vector>
+
+#include "experts.h"
 
 #if defined(__AVX2__) && ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
 #define HYBRIDKV_VNNI 1
@@ -71,10 +73,12 @@ constexpr int8_t IQ4_NL_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 
 
 struct Q8_0Block {  // f16 d; i8 q[32]
   static constexpr int ID = 8, BYTES = 34;
+  static constexpr const char* NAME = "Q8_0";
   static void codes(const uint8_t* b, int8_t* q) { std::memcpy(q, b + 2, QK8); }
 };
 struct Q4_0Block {  // f16 d; u8 qs[16]: low nibbles weights 0-15, high 16-31; code = nibble - 8
   static constexpr int ID = 2, BYTES = 18;
+  static constexpr const char* NAME = "Q4_0";
   static void codes(const uint8_t* b, int8_t* q) {
     for (int j = 0; j < 16; ++j) {
       q[j] = static_cast<int8_t>((b[2 + j] & 15) - 8);
@@ -84,6 +88,7 @@ struct Q4_0Block {  // f16 d; u8 qs[16]: low nibbles weights 0-15, high 16-31; c
 };
 struct Q5_0Block {  // f16 d; u32 qh (bit j: bit 4 of weight j); u8 qs[16] as Q4_0; code = q - 16
   static constexpr int ID = 6, BYTES = 22;
+  static constexpr const char* NAME = "Q5_0";
   static void codes(const uint8_t* b, int8_t* q) {
     uint32_t qh;
     std::memcpy(&qh, b + 2, 4);
@@ -95,6 +100,7 @@ struct Q5_0Block {  // f16 d; u32 qh (bit j: bit 4 of weight j); u8 qs[16] as Q4
 };
 struct IQ4_NLBlock {  // f16 d; u8 qs[16] as Q4_0; code = a non-linear level of the nibble
   static constexpr int ID = 20, BYTES = 18;
+  static constexpr const char* NAME = "IQ4_NL";
   static void codes(const uint8_t* b, int8_t* q) {
     for (int j = 0; j < 16; ++j) {
       q[j] = IQ4_NL_LEVELS[b[2 + j] & 15];
@@ -130,9 +136,6 @@ __attribute__((optimize("no-tree-vectorize"))) inline int32_t block_sum_scalar(c
 }
 
 #ifdef __AVX2__
-// One block pair's dot product as 8 int32 lanes (lane i: weights 4i..4i+3). Both instructions take
-// unsigned × signed bytes, so the weight's sign moves onto the activation: |w| read as unsigned is
-// exact even for −128, and a·sign(w) cannot overflow since |a| <= 127 — exact for any block bytes.
 // A block's 32 codes as int8 lanes.
 template <typename B>
 inline __m256i unpack(const uint8_t* blk) {
@@ -168,7 +171,10 @@ inline float hsum_f32(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// The dot of |w| (unsigned) and x·sign(w) (signed) bytes as 8 int32 lanes.
+// One block pair's dot product as 8 int32 lanes (lane i: weights 4i..4i+3), from |w| and x·sign(w).
+// Both instructions take unsigned × signed bytes, so the weight's sign moves onto the activation:
+// |w| read as unsigned is exact even for −128, and a·sign(w) cannot overflow since |a| <= 127 —
+// exact for any block bytes.
 template <Isa I>
 inline __m256i signed_dot(__m256i w_abs, __m256i x_signed) {
 #ifdef HYBRIDKV_VNNI
@@ -191,10 +197,9 @@ inline __m256i block_dot(const uint8_t* blk, const int8_t* a) {
   return signed_dot<I>(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
 }
 
-// R activation rows against one weight row: each block unpacked once and met by every row, its
-// 8 int32 lanes scaled into a float accumulator per row (llama.cpp's order), summed at the end.
-// Activation rows rows[0..R) (of nb blocks each, at a and dx) against one weight row: out[r·N] for
-// row rows[r].
+// Activation rows rows[0..R) (of nb blocks each, at a and dx) against one weight row → out[rows[r]·N]:
+// each block unpacked once and met by every row, its 8 int32 lanes scaled into a float accumulator
+// per row (llama.cpp's order), summed at the end.
 template <Isa I, typename B, int R>
 void row_dots(const uint8_t* w, const float* dw, const int8_t* a, const float* dx, int64_t nb, const int64_t* rows,
               float* out, int64_t N) {
@@ -217,7 +222,6 @@ void row_dots(const uint8_t* w, const float* dw, const int8_t* a, const float* d
   }
   for (int r = 0; r < R; ++r) out[rows[r] * N] = hsum_f32(acc[r]);
 }
-
 
 inline int32_t hsum_i32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -299,47 +303,44 @@ void rows_dot(const uint8_t* w, const float* dw, const int8_t* a, const float* d
   for (; i < n; ++i) y[rows[i] * N] = row_dot<I, B>(w, dw, a + rows[i] * nb * QK8, dx + rows[i] * nb, nb);
 }
 
-const char* type_name(int64_t id) {
-  return id == Q8_0Block::ID ? "Q8_0" : id == Q4_0Block::ID ? "Q4_0" : id == Q5_0Block::ID ? "Q5_0" : "IQ4_NL";
-}
-
-int64_t block_bytes(int64_t id) {
+// f(Block{}) for the block type `id`; an unknown type is an error naming the ones there are.
+template <typename F>
+auto visit_block(int64_t id, F&& f) {
   switch (id) {
-    case Q8_0Block::ID: return Q8_0Block::BYTES;
-    case Q4_0Block::ID: return Q4_0Block::BYTES;
-    case Q5_0Block::ID: return Q5_0Block::BYTES;
-    case IQ4_NLBlock::ID: return IQ4_NLBlock::BYTES;
+    case Q8_0Block::ID: return f(Q8_0Block{});
+    case Q4_0Block::ID: return f(Q4_0Block{});
+    case Q5_0Block::ID: return f(Q5_0Block{});
+    case IQ4_NLBlock::ID: return f(IQ4_NLBlock{});
   }
   TORCH_CHECK(false, "ggml type ", id, " has no 8-bit-activation kernel here (Q8_0 8, Q4_0 2, Q5_0 6, IQ4_NL 20)");
-  return 0;
 }
 
-// Calls f(Block{}) for the block type `id`, with the code path `isa`.
+// f(Block{}, integral_constant<Isa>) for the block type `id` and the code path `isa`.
 template <typename F>
 void dispatch(int64_t id, const std::string& isa, F&& f) {
-  block_bytes(id);  // names an unknown type
   const Isa path = parse_isa(isa);
-  auto with_isa = [&](auto block) {
+  visit_block(id, [&](auto block) {
     switch (path) {
       case Isa::Vnni: return f(block, std::integral_constant<Isa, Isa::Vnni>{});
       case Isa::Avx2: return f(block, std::integral_constant<Isa, Isa::Avx2>{});
       case Isa::Scalar: return f(block, std::integral_constant<Isa, Isa::Scalar>{});
     }
-  };
-  switch (id) {
-    case Q8_0Block::ID: return with_isa(Q8_0Block{});
-    case Q4_0Block::ID: return with_isa(Q4_0Block{});
-    case Q5_0Block::ID: return with_isa(Q5_0Block{});
-    default: return with_isa(IQ4_NLBlock{});
-  }
+  });
+}
+
+// Checks the row bytes of w (last dimension) against K activation features of block type `id`.
+void check_row_bytes(const at::Tensor& w, int64_t K, int64_t id, const char* op) {
+  visit_block(id, [&](auto block) {
+    using B = decltype(block);
+    TORCH_CHECK(K % QK8 == 0 && w.size(-1) == K / QK8 * B::BYTES, op, ": activations of ", K, " features need ",
+                B::NAME, " rows of ", K / QK8 * B::BYTES, " bytes (K a multiple of 32), got ", w.size(-1));
+  });
 }
 
 int64_t check_rows(const at::Tensor& w, int64_t K, int64_t id, const char* op) {
-  const int64_t bytes = block_bytes(id);
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), op, ": ", type_name(id),
-              " rows must be a contiguous uint8 [N, K/32*", bytes, "] tensor, got ", w.scalar_type(), " ", w.sizes());
-  TORCH_CHECK(K % QK8 == 0 && w.size(1) == K / QK8 * bytes, op, ": activations of ", K, " features need ",
-              type_name(id), " rows of ", K / QK8 * bytes, " bytes (K a multiple of 32), got ", w.size(1));
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), op,
+              ": rows must be a contiguous uint8 [N, K/32*bytes] tensor, got ", w.scalar_type(), " ", w.sizes());
+  check_row_bytes(w, K, id, op);
   return w.size(0);
 }
 
@@ -412,7 +413,6 @@ void matmul_impl(const int8_t* a, const float* dx, int64_t T, const uint8_t* w, 
 at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type, const std::string& isa) {
   TORCH_CHECK(x.dim() == 2, "q8_matmul: x must be [T, K], got ", x.sizes());
   const int64_t T = x.size(0), K = x.size(1), N = check_rows(w, K, ggml_type, "q8_matmul"), nb = K / QK8;
-  parse_isa(isa);
   const auto [q, d] = quantize_rows_q8(x);
   at::Tensor y = at::empty({T, N}, x.options().dtype(at::kFloat));
   dispatch(ggml_type, isa, [&](auto block, auto path) {
@@ -420,16 +420,6 @@ at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type
                                                         w.data_ptr<uint8_t>(), N, nb, y.data_ptr<float>());
   });
   return y;
-}
-
-// The P pairs grouped by expert: pairs[start[g]..start[g + 1]) all use one expert (stable order).
-void group_by_expert(const int64_t* ids, int64_t P, std::vector<int64_t>& pairs, std::vector<int64_t>& start) {
-  pairs.resize(P);
-  for (int64_t p = 0; p < P; ++p) pairs[p] = p;
-  std::stable_sort(pairs.begin(), pairs.end(), [&](int64_t a, int64_t b) { return ids[a] < ids[b]; });
-  start.assign(1, 0);
-  for (int64_t i = 1; i <= P; ++i)
-    if (i == P || ids[pairs[i]] != ids[pairs[i - 1]]) start.push_back(i);
 }
 
 // y [P, N]: row p of x times expert ids[p]'s weight, w [E, N, K/32*bytes] (MoE decode: one call per
@@ -440,7 +430,7 @@ void experts_impl(const int8_t* a, const float* dx, int64_t P, const uint8_t* w,
                   int64_t nb, float* y) {
   const int64_t row_bytes = nb * B::BYTES;
   std::vector<int64_t> pairs, start;
-  group_by_expert(ids, P, pairs, start);
+  hybridkv::group_by_expert(ids, P, pairs, start);
   const int64_t G = static_cast<int64_t>(start.size()) - 1;
   at::parallel_for(0, G * N, 16, [&](int64_t u0, int64_t u1) {
     std::vector<float> dw(nb);
@@ -458,14 +448,11 @@ at::Tensor q8_experts_matmul(const at::Tensor& x, const at::Tensor& w, const at:
   TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous(),
               "q8_experts_matmul: x must be [P, K] and w contiguous uint8 [E, N, K/32*bytes]");
   const int64_t P = x.size(0), K = x.size(1), E = w.size(0), N = w.size(1), nb = K / QK8;
-  const int64_t bytes = block_bytes(ggml_type);
-  TORCH_CHECK(K % QK8 == 0 && w.size(2) == nb * bytes, "q8_experts_matmul: activations of ", K, " features need ",
-              type_name(ggml_type), " rows of ", nb * bytes, " bytes, got ", w.size(2));
+  check_row_bytes(w, K, ggml_type, "q8_experts_matmul");
   const at::Tensor ids = ids_in.to(at::kLong).contiguous();
   TORCH_CHECK(ids.numel() == P, "q8_experts_matmul: one expert id per row of x");
   const int64_t* idp = ids.data_ptr<int64_t>();
   for (int64_t p = 0; p < P; ++p) TORCH_CHECK(idp[p] >= 0 && idp[p] < E, "q8_experts_matmul: expert ", idp[p], " out of range");
-  parse_isa(isa);
   const auto [q, d] = quantize_rows_q8(x);
   at::Tensor y = at::empty({P, N}, x.options().dtype(at::kFloat));
   dispatch(ggml_type, isa, [&](auto block, auto path) {

@@ -24,8 +24,7 @@ from hybridkv.ops import native
 from hybridkv.ops.quant import blocks
 
 QK8 = 32
-Q8_0 = 8
-BLOCK_BYTES = {8: 34, 2: 18, 6: 22, 20: 18}  # ggml id → bytes per block: Q8_0, Q4_0, Q5_0, IQ4_NL
+Q8_0 = 8  # ggml type id
 # Up to this many activation rows the integer kernel streams the weight once (decode).
 FEW_ROWS = 32
 ISAS = ("vnni", "avx2", "scalar")  # the C++ kernel's code paths, fastest first
@@ -51,8 +50,10 @@ def quantize_rows_q8(x: torch.Tensor) -> Q8Rows:
 
 def split_rows(rows: torch.Tensor, ggml_id: int = Q8_0) -> Q8Rows:
     """Weight rows uint8 [N, nb·bytes] of a symmetric 32-weight type → codes int8 [N, K], d float32 [N, nb]."""
-    N, row_bytes = rows.shape
-    q, d = blocks.symmetric_codes(rows.reshape(-1, BLOCK_BYTES[ggml_id]), ggml_id)
+    from hybridkv.ops.quant.traits import block_type  # (traits imports this module)
+
+    N = rows.shape[0]
+    q, d = blocks.symmetric_codes(rows.reshape(-1, block_type(ggml_id).block_bytes), ggml_id)
     return Q8Rows(q.reshape(N, -1), d.reshape(N, -1))
 
 
