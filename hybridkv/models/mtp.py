@@ -46,7 +46,8 @@ from hybridkv.models.qwen3_next import (
     _zero_centred,
 )
 from hybridkv.models.weights import Layout, Piece
-from hybridkv.ops.matmul import Weight, linear
+from hybridkv.ops import native
+from hybridkv.ops.matmul import FEW_ROWS, Weight, linear
 
 MTPHidden = Literal["post_norm", "pre_norm"]
 """Which main hidden state feeds the block: after the model's final norm (what the released
@@ -90,9 +91,11 @@ class MTPBlock(nn.Module):
         """The attention's q [T, H, hd], gate, k, v [T, Hkv, hd] for the fused rows x [T, D]."""
         return self.attn.split_heads(linear(self.input_norm(x), self.attn.qkv_proj), cos, sin)
 
-    def finish(self, x: torch.Tensor, o: torch.Tensor, gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rest of the layer after attention (o [T, H, hd]): (post-`mtp.norm`, pre-norm) outputs [T, D]."""
-        x = x + self.attn.output(o, gate)
+    def finish(self, x: torch.Tensor, o: torch.Tensor, gate: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rest of the layer after attention (o [T, H, hd], or [T, H·hd] already gated when `gate`
+        is None): (post-`mtp.norm`, pre-norm) outputs [T, D]."""
+        attended = linear(o.to(x.dtype), self.attn.o_proj) if gate is None else self.attn.output(o, gate)
+        x = x + attended
         x = x + self.ffn(self.post_norm(x))
         return self.norm(x), x
 
@@ -122,6 +125,8 @@ class MTPBlock(nn.Module):
         slots 1..L; step s + 1 feeds back step s's output with its argmax. Nothing is written.
         """
         N = tokens.shape[0]
+        if N <= FEW_ROWS and native.enabled(self.attn.q_norm.weight, self.attn.k_norm.weight):
+            return self._draft_native(tokens, view, steps, embed, rope, head)
         k_cache, v_cache, visible = _gather_kv(view, self.kv_layer)
         hidden = view.hidden_carry()
         new_k: list[torch.Tensor] = []
@@ -144,6 +149,55 @@ class MTPBlock(nn.Module):
             tokens = logits.argmax(-1)
             hidden = normed if self.hidden == "post_norm" else raw
         return torch.stack(out, 1)
+
+    def _draft_native(
+        self, tokens: torch.Tensor, view: CacheView, steps: int, embed: HeadFn, rope: RopeFn, head: HeadFn
+    ) -> torch.Tensor:
+        """`draft` on the C++ decode kernels: the attention of each step is the main model's decode
+        step (`native.attention_decode`) over a private copy of the sequences' MTP K/V, into which
+        the draft rows are written; the cache is not touched. About half the ops of the eager step."""
+        N, attn = tokens.shape[0], self.attn
+        k_rows, v_rows, tables, slots = _scratch_kv(view, self.kv_layer, steps)
+        lens = view.kv_lens  # draft s attends the history (slots 1..L-1) and drafts 0..s: L + s rows
+        positions = (view.kv_lens - 1)[:, None] + torch.arange(steps)  # [N, steps]
+        hidden = view.hidden_carry()
+        cos, sin = (t.view(N, steps, -1) for t in rope(positions.flatten(), torch.float32))
+        out = []
+        for s in range(steps):
+            x = self.fuse(embed(tokens), hidden)
+            qkv = linear(self.input_norm(x), attn.qkv_proj)
+            o = native.attention_decode(
+                qkv, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, cos[:, s], sin[:, s], (k_rows, v_rows),
+                slots + s, tables, lens + s, attn.scale, attn.H,
+            )  # fmt: skip
+            normed, raw = self.finish(x, o, None)
+            logits = head(normed)
+            out.append(logits)
+            tokens = logits.argmax(-1)
+            hidden = normed if self.hidden == "post_norm" else raw
+        return torch.stack(out, 1)
+
+
+def _scratch_kv(
+    view: CacheView, layer: int, steps: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A private pool for drafting with `native.attention_decode`: one block per sequence, row j
+    holding the cached MTP slot j + 1 (slot 0 is never attended), `steps` more rows for the drafts.
+    Returns keys, values [N, S + steps, Hkv, hd] (the cache's dtype), block tables [N, 1] and the
+    row of draft 0 per sequence [N] (flat, as a slot mapping)."""
+    k_pool, v_pool = view.kv_pools(layer)
+    N = view.block_tables.shape[0]
+    cached = int(view.kv_lens.max()) - 1  # slots 1..L-1 of the longest sequence
+    blocks = view.block_tables[:, : -(-(cached + 1) // k_pool.shape[1])].flatten()
+
+    def copy(pool: torch.Tensor) -> torch.Tensor:
+        rows = pool.new_empty(N, cached + steps, *pool.shape[2:])
+        rows[:, :cached] = pool.index_select(0, blocks).view(N, -1, *pool.shape[2:])[:, 1 : cached + 1]
+        return rows
+
+    width = cached + steps
+    first = torch.arange(N) * width + view.kv_lens - 1
+    return copy(k_pool), copy(v_pool), torch.arange(N)[:, None], first
 
 
 def _gather_kv(view: CacheView, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

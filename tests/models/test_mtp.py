@@ -17,6 +17,7 @@ from hybridkv import CacheConfig, CachedModel
 from hybridkv.cached_model import cache_spec
 from hybridkv.errors import NotSupported
 from hybridkv.models import ModelConfig, load_model, weights_nbytes
+from hybridkv.ops import native
 
 TOL = 1e-4
 DATA = Path(__file__).parents[1] / "data"
@@ -70,6 +71,25 @@ def test_cached_drafts_equal_the_twin_and_main_logits_stay_exact(checkpoints: An
     drafts = cm.draft_mtp_logits({a: ids[7], b: ids[11]}, 3)
     assert max_rel_err(drafts[a], twin_draft(tensors, hf, moe, ids[:7], ids[7], 3)) <= TOL
     assert max_rel_err(drafts[b], twin_draft(tensors, hf, moe, ids[:11], ids[11], 3)) <= TOL
+    cm.cache.check_integrity()
+
+
+@pytest.mark.parametrize("use_native", [True, False])
+def test_both_draft_paths_equal_the_twin_across_block_boundaries(
+    checkpoints: Any, monkeypatch: pytest.MonkeyPatch, use_native: bool
+) -> None:
+    """The C++ draft step (a private copy of the MTP K/V) and the eager one (N > FEW_ROWS, or no
+    kernels): histories of 1, 4 and 9 tokens cross 0, 1 and 2 blocks of 4."""
+    monkeypatch.setattr(native, "disabled", not use_native)
+    hf, path, tensors, moe = checkpoints("qwen3_5_vlm_moe_per_expert")
+    cm = CachedModel.load(path, cache=CACHE, mtp=True)
+    ids = tokens(12, seed=4)
+    lengths = (1, 4, 9)
+    seqs = [cm.new_sequence() for _ in lengths]
+    cm.feed({s: ids[:n] for s, n in zip(seqs, lengths, strict=True)}, "none")
+    drafts = cm.draft_mtp_logits({s: ids[n] for s, n in zip(seqs, lengths, strict=True)}, 3)
+    for s, n in zip(seqs, lengths, strict=True):
+        assert max_rel_err(drafts[s], twin_draft(tensors, hf, moe, ids[:n], ids[n], 3)) <= TOL
     cm.cache.check_integrity()
 
 
