@@ -303,6 +303,76 @@ void rows_dot(const uint8_t* w, const float* dw, const int8_t* a, const float* d
   for (; i < n; ++i) y[rows[i] * N] = row_dot<I, B>(w, dw, a + rows[i] * nb * QK8, dx + rows[i] * nb, nb);
 }
 
+#ifdef HYBRIDKV_VNNI
+inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#endif
+}
+
+// Eight weight rows at once, lanes = weight rows (llama.cpp's repacked gemm, without repacking the
+// file): a block of each of the 8 rows is unpacked and transposed so that vector j holds bytes
+// 4j..4j+3 of every row, then each activation row's 4-byte groups are broadcast against them —
+// 8 dot instructions give the 8 rows' block sums with no horizontal add. dpbusd multiplies unsigned
+// by signed bytes: the activation codes are shifted to x + 128 (`au`, unsigned) and 128·Σw, the same
+// for every activation row, is taken off, so each block sum is the exact integer Σ x·w. Then one
+// float multiply-add per block scales the 8 sums by d_w (a vector) · d_x.
+// w: 8 rows of row_bytes; dw8 [nb][8] their scales; rows[0..n) activation rows (R <= 8 at a time);
+// y[rows[r]·N + 0..8) receives the 8 results.
+template <typename B>
+void rows8_dot(const uint8_t* w, int64_t row_bytes, const float* dw8, const uint8_t* au, const float* dx, int64_t nb,
+               const int64_t* rows, int64_t n, float* y, int64_t N) {
+  constexpr int64_t R = 8;
+  const __m256i ones = _mm256_set1_epi8(1);
+  for (int64_t r0 = 0; r0 < n; r0 += R) {
+    const int64_t m = std::min(n - r0, R);
+    __m256 acc[R];
+    for (int64_t r = 0; r < m; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256i t[8];
+      for (int i = 0; i < 8; ++i) t[i] = unpack<B>(w + i * row_bytes + b * B::BYTES);
+      // 8 x 8 transpose of 32-bit groups: t[j] lane i = row i's bytes 4j..4j+3.
+      const __m256i a0 = _mm256_unpacklo_epi32(t[0], t[1]), a1 = _mm256_unpackhi_epi32(t[0], t[1]);
+      const __m256i a2 = _mm256_unpacklo_epi32(t[2], t[3]), a3 = _mm256_unpackhi_epi32(t[2], t[3]);
+      const __m256i a4 = _mm256_unpacklo_epi32(t[4], t[5]), a5 = _mm256_unpackhi_epi32(t[4], t[5]);
+      const __m256i a6 = _mm256_unpacklo_epi32(t[6], t[7]), a7 = _mm256_unpackhi_epi32(t[6], t[7]);
+      const __m256i b0 = _mm256_unpacklo_epi64(a0, a2), b1 = _mm256_unpackhi_epi64(a0, a2);
+      const __m256i b2 = _mm256_unpacklo_epi64(a1, a3), b3 = _mm256_unpackhi_epi64(a1, a3);
+      const __m256i b4 = _mm256_unpacklo_epi64(a4, a6), b5 = _mm256_unpackhi_epi64(a4, a6);
+      const __m256i b6 = _mm256_unpacklo_epi64(a5, a7), b7 = _mm256_unpackhi_epi64(a5, a7);
+      t[0] = _mm256_permute2x128_si256(b0, b4, 0x20);
+      t[1] = _mm256_permute2x128_si256(b1, b5, 0x20);
+      t[2] = _mm256_permute2x128_si256(b2, b6, 0x20);
+      t[3] = _mm256_permute2x128_si256(b3, b7, 0x20);
+      t[4] = _mm256_permute2x128_si256(b0, b4, 0x31);
+      t[5] = _mm256_permute2x128_si256(b1, b5, 0x31);
+      t[6] = _mm256_permute2x128_si256(b2, b6, 0x31);
+      t[7] = _mm256_permute2x128_si256(b3, b7, 0x31);
+      __m256i wsum = _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j) wsum = dpbusd(wsum, ones, t[j]);
+      const __m256i offset = _mm256_slli_epi32(wsum, 7);  // 128·Σw per row
+      const __m256 dw = _mm256_loadu_ps(dw8 + b * 8);
+      for (int64_t r = 0; r < m; ++r) {
+        const uint8_t* x = au + (rows[r0 + r] * nb + b) * QK8;
+        int32_t g[8];
+        std::memcpy(g, x, QK8);
+        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j += 2) {
+          s0 = dpbusd(s0, _mm256_set1_epi32(g[j]), t[j]);
+          s1 = dpbusd(s1, _mm256_set1_epi32(g[j + 1]), t[j + 1]);
+        }
+        const __m256i sums = _mm256_sub_epi32(_mm256_add_epi32(s0, s1), offset);
+        const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(dx[rows[r0 + r] * nb + b]));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r]);
+      }
+    }
+    for (int64_t r = 0; r < m; ++r) _mm256_storeu_ps(y + rows[r0 + r] * N, acc[r]);
+  }
+}
+#endif
+
 // f(Block{}) for the block type `id`; an unknown type is an error naming the ones there are.
 template <typename F>
 auto visit_block(int64_t id, F&& f) {
@@ -389,12 +459,52 @@ inline void row_scales(const uint8_t* wr, int64_t nb, float* dw) {
   for (int64_t b = 0; b < nb; ++b) dw[b] = fp16(wr + b * B::BYTES);
 }
 
+#ifdef HYBRIDKV_VNNI
+// From this many activation rows on, `matmul_impl` takes the weight rows 8 at a time (`rows8_dot`):
+// its transposes pay off once several activation rows share them.
+constexpr int64_t ROWS8_FROM = 6;
+
+// `matmul_impl` by `rows8_dot`: threads split W's rows in groups of 8 (the last N % 8 rows one by one).
+template <typename B>
+void matmul_rows8(const int8_t* a, const float* dx, int64_t T, const uint8_t* w, int64_t N, int64_t nb, float* y,
+                  const int64_t* all_rows) {
+  const int64_t row_bytes = nb * B::BYTES, groups = N / 8;
+  std::vector<uint8_t> au(T * nb * QK8);
+  for (size_t i = 0; i < au.size(); ++i) au[i] = static_cast<uint8_t>(a[i]) ^ 0x80;  // x + 128
+  at::parallel_for(0, groups + N % 8, 2, [&](int64_t u0, int64_t u1) {
+    std::vector<float> dw8(nb * 8), dw(nb);
+    for (int64_t u = u0; u < u1; ++u) {
+      if (u < groups) {
+        const uint8_t* wr = w + u * 8 * row_bytes;
+        for (int64_t b = 0; b < nb; ++b)
+          for (int i = 0; i < 8; ++i) dw8[b * 8 + i] = fp16(wr + i * row_bytes + b * B::BYTES);
+        // Eight strided streams defeat the hardware prefetcher: fetch the next group while this one runs.
+        if (u + 1 < groups)
+          for (int64_t at = 0; at < 8 * row_bytes; at += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(wr + 8 * row_bytes + at), _MM_HINT_T0);
+        rows8_dot<B>(wr, row_bytes, dw8.data(), au.data(), dx, nb, all_rows, T, y + u * 8, N);
+      } else {
+        const int64_t n = groups * 8 + (u - groups);
+        const uint8_t* wr = w + n * row_bytes;
+        row_scales<B>(wr, nb, dw.data());
+        rows_dot<Isa::Vnni, B>(wr, dw.data(), a, dx, nb, all_rows, T, y + n, N);
+      }
+    }
+  });
+}
+#endif
+
 // y [T, N] = x @ W.T: threads split W's rows; each weight row is read once from memory and its
 // f16 scales widened once, then dotted with every activation row while it sits in L1.
 template <Isa I, typename B>
 void matmul_impl(const int8_t* a, const float* dx, int64_t T, const uint8_t* w, int64_t N, int64_t nb, float* y) {
   std::vector<int64_t> all_rows(T);
   for (int64_t t = 0; t < T; ++t) all_rows[t] = t;
+#ifdef HYBRIDKV_VNNI
+  if constexpr (I == Isa::Vnni) {
+    if (T >= ROWS8_FROM && N >= 8) return matmul_rows8<B>(a, dx, T, w, N, nb, y, all_rows.data());
+  }
+#endif
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     std::vector<float> dw(nb);
     for (int64_t n = n0; n < n1; ++n) {
