@@ -321,54 +321,67 @@ inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
 // float multiply-add per block scales the 8 sums by d_w (a vector) · d_x.
 // w: 8 rows of row_bytes; dw8 [nb][8] their scales; rows[0..n) activation rows (R <= 8 at a time);
 // y[rows[r]·N + 0..8) receives the 8 results.
+template <typename B, int M>
+void rows8_dot_m(const uint8_t* w, int64_t row_bytes, const float* dw8, const uint8_t* au, const float* dx, int64_t nb,
+                 const int64_t* rows, float* y, int64_t N) {
+  const __m256i ones = _mm256_set1_epi8(1);
+  __m256 acc[M];
+  for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i t[8];
+    for (int i = 0; i < 8; ++i) t[i] = unpack<B>(w + i * row_bytes + b * B::BYTES);
+    // 8 x 8 transpose of 32-bit groups: t[j] lane i = row i's bytes 4j..4j+3.
+    const __m256i a0 = _mm256_unpacklo_epi32(t[0], t[1]), a1 = _mm256_unpackhi_epi32(t[0], t[1]);
+    const __m256i a2 = _mm256_unpacklo_epi32(t[2], t[3]), a3 = _mm256_unpackhi_epi32(t[2], t[3]);
+    const __m256i a4 = _mm256_unpacklo_epi32(t[4], t[5]), a5 = _mm256_unpackhi_epi32(t[4], t[5]);
+    const __m256i a6 = _mm256_unpacklo_epi32(t[6], t[7]), a7 = _mm256_unpackhi_epi32(t[6], t[7]);
+    const __m256i b0 = _mm256_unpacklo_epi64(a0, a2), b1 = _mm256_unpackhi_epi64(a0, a2);
+    const __m256i b2 = _mm256_unpacklo_epi64(a1, a3), b3 = _mm256_unpackhi_epi64(a1, a3);
+    const __m256i b4 = _mm256_unpacklo_epi64(a4, a6), b5 = _mm256_unpackhi_epi64(a4, a6);
+    const __m256i b6 = _mm256_unpacklo_epi64(a5, a7), b7 = _mm256_unpackhi_epi64(a5, a7);
+    t[0] = _mm256_permute2x128_si256(b0, b4, 0x20);
+    t[1] = _mm256_permute2x128_si256(b1, b5, 0x20);
+    t[2] = _mm256_permute2x128_si256(b2, b6, 0x20);
+    t[3] = _mm256_permute2x128_si256(b3, b7, 0x20);
+    t[4] = _mm256_permute2x128_si256(b0, b4, 0x31);
+    t[5] = _mm256_permute2x128_si256(b1, b5, 0x31);
+    t[6] = _mm256_permute2x128_si256(b2, b6, 0x31);
+    t[7] = _mm256_permute2x128_si256(b3, b7, 0x31);
+    __m256i wsum = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) wsum = dpbusd(wsum, ones, t[j]);
+    const __m256i offset = _mm256_slli_epi32(wsum, 7);  // 128·Σw per row
+    const __m256 dw = _mm256_loadu_ps(dw8 + b * 8);
+    for (int r = 0; r < M; ++r) {
+      // A 4-byte group broadcast straight from memory (a load, not a move through a register).
+      const float* x = reinterpret_cast<const float*>(au + (rows[r] * nb + b) * QK8);
+      __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+      for (int j = 0; j < 8; j += 2) {
+        s0 = dpbusd(s0, _mm256_castps_si256(_mm256_broadcast_ss(x + j)), t[j]);
+        s1 = dpbusd(s1, _mm256_castps_si256(_mm256_broadcast_ss(x + j + 1)), t[j + 1]);
+      }
+      const __m256i sums = _mm256_sub_epi32(_mm256_add_epi32(s0, s1), offset);
+      const __m256 scale = _mm256_mul_ps(dw, _mm256_broadcast_ss(dx + rows[r] * nb + b));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r]);
+    }
+  }
+  for (int r = 0; r < M; ++r) _mm256_storeu_ps(y + rows[r] * N, acc[r]);
+}
+
 template <typename B>
 void rows8_dot(const uint8_t* w, int64_t row_bytes, const float* dw8, const uint8_t* au, const float* dx, int64_t nb,
                const int64_t* rows, int64_t n, float* y, int64_t N) {
-  constexpr int64_t R = 8;
-  const __m256i ones = _mm256_set1_epi8(1);
-  for (int64_t r0 = 0; r0 < n; r0 += R) {
-    const int64_t m = std::min(n - r0, R);
-    __m256 acc[R];
-    for (int64_t r = 0; r < m; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      __m256i t[8];
-      for (int i = 0; i < 8; ++i) t[i] = unpack<B>(w + i * row_bytes + b * B::BYTES);
-      // 8 x 8 transpose of 32-bit groups: t[j] lane i = row i's bytes 4j..4j+3.
-      const __m256i a0 = _mm256_unpacklo_epi32(t[0], t[1]), a1 = _mm256_unpackhi_epi32(t[0], t[1]);
-      const __m256i a2 = _mm256_unpacklo_epi32(t[2], t[3]), a3 = _mm256_unpackhi_epi32(t[2], t[3]);
-      const __m256i a4 = _mm256_unpacklo_epi32(t[4], t[5]), a5 = _mm256_unpackhi_epi32(t[4], t[5]);
-      const __m256i a6 = _mm256_unpacklo_epi32(t[6], t[7]), a7 = _mm256_unpackhi_epi32(t[6], t[7]);
-      const __m256i b0 = _mm256_unpacklo_epi64(a0, a2), b1 = _mm256_unpackhi_epi64(a0, a2);
-      const __m256i b2 = _mm256_unpacklo_epi64(a1, a3), b3 = _mm256_unpackhi_epi64(a1, a3);
-      const __m256i b4 = _mm256_unpacklo_epi64(a4, a6), b5 = _mm256_unpackhi_epi64(a4, a6);
-      const __m256i b6 = _mm256_unpacklo_epi64(a5, a7), b7 = _mm256_unpackhi_epi64(a5, a7);
-      t[0] = _mm256_permute2x128_si256(b0, b4, 0x20);
-      t[1] = _mm256_permute2x128_si256(b1, b5, 0x20);
-      t[2] = _mm256_permute2x128_si256(b2, b6, 0x20);
-      t[3] = _mm256_permute2x128_si256(b3, b7, 0x20);
-      t[4] = _mm256_permute2x128_si256(b0, b4, 0x31);
-      t[5] = _mm256_permute2x128_si256(b1, b5, 0x31);
-      t[6] = _mm256_permute2x128_si256(b2, b6, 0x31);
-      t[7] = _mm256_permute2x128_si256(b3, b7, 0x31);
-      __m256i wsum = _mm256_setzero_si256();
-      for (int j = 0; j < 8; ++j) wsum = dpbusd(wsum, ones, t[j]);
-      const __m256i offset = _mm256_slli_epi32(wsum, 7);  // 128·Σw per row
-      const __m256 dw = _mm256_loadu_ps(dw8 + b * 8);
-      for (int64_t r = 0; r < m; ++r) {
-        const uint8_t* x = au + (rows[r0 + r] * nb + b) * QK8;
-        int32_t g[8];
-        std::memcpy(g, x, QK8);
-        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-        for (int j = 0; j < 8; j += 2) {
-          s0 = dpbusd(s0, _mm256_set1_epi32(g[j]), t[j]);
-          s1 = dpbusd(s1, _mm256_set1_epi32(g[j + 1]), t[j + 1]);
-        }
-        const __m256i sums = _mm256_sub_epi32(_mm256_add_epi32(s0, s1), offset);
-        const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(dx[rows[r0 + r] * nb + b]));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r]);
-      }
+  for (int64_t r0 = 0; r0 < n; r0 += 8) {
+    const int64_t* rs = rows + r0;
+    switch (std::min<int64_t>(n - r0, 8)) {
+      case 8: rows8_dot_m<B, 8>(w, row_bytes, dw8, au, dx, nb, rs, y, N); break;
+      case 7: rows8_dot_m<B, 7>(w, row_bytes, dw8, au, dx, nb, rs, y, N); break;
+      case 6: rows8_dot_m<B, 6>(w, row_bytes, dw8, au, dx, nb, rs, y, N); break;
+      case 5: rows8_dot_m<B, 5>(w, row_bytes, dw8, au, dx, nb, rs, y, N); break;
+      case 4: rows8_dot_m<B, 4>(w, row_bytes, dw8, au, dx, nb, rs, y, N); break;
+      case 3: rows8_dot_m<B, 3>(w, row_bytes, dw8, au, dx, nb, rs, y, N); break;
+      case 2: rows8_dot_m<B, 2>(w, row_bytes, dw8, au, dx, nb, rs, y, N); break;
+      default: rows8_dot_m<B, 1>(w, row_bytes, dw8, au, dx, nb, rs, y, N); break;
     }
-    for (int64_t r = 0; r < m; ++r) _mm256_storeu_ps(y + rows[r0 + r] * N, acc[r]);
   }
 }
 #endif
@@ -462,7 +475,7 @@ inline void row_scales(const uint8_t* wr, int64_t nb, float* dw) {
 #ifdef HYBRIDKV_VNNI
 // From this many activation rows on, `matmul_impl` takes the weight rows 8 at a time (`rows8_dot`):
 // its transposes pay off once several activation rows share them.
-constexpr int64_t ROWS8_FROM = 6;
+constexpr int64_t ROWS8_FROM = 4;
 
 // `matmul_impl` by `rows8_dot`: threads split W's rows in groups of 8 (the last N % 8 rows one by one).
 template <typename B>
