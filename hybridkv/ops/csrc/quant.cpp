@@ -258,33 +258,60 @@ void row_block_sums(const uint8_t* w, const int8_t* a, int64_t nb, int32_t* out)
   for (; b < nb; ++b) out[b] = block_sum_scalar<B>(w + b * B::BYTES, a + b * QK8);
 }
 
-// Σ_b block_sum_b · (dw[b]·dx[b]) for one weight row and one activation row.
+#if defined(__AVX2__) && defined(__F16C__)
+// The f16 scales of 8 consecutive blocks as floats, read from the blocks themselves.
+template <typename B>
+inline __m256 scales8(const uint8_t* w) {
+  uint16_t bits[8];
+  for (int i = 0; i < 8; ++i) std::memcpy(&bits[i], w + i * B::BYTES, 2);
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bits)));
+}
+#endif
+
+// Σ_b block_sum_b · (dw[b]·dx[b]) for one weight row and one activation row; dw null: the scales
+// read from the blocks as they are met (one pass over the row instead of two).
 template <Isa I, typename B>
 float row_dot(const uint8_t* w, const float* dw, const int8_t* a, const float* dx, int64_t nb) {
   int64_t b = 0;
   float s = 0.f;
-#ifdef __AVX2__
+#if defined(__AVX2__) && defined(__F16C__)
   if constexpr (I != Isa::Scalar) {
     __m256 acc = _mm256_setzero_ps();
     for (; b + 8 <= nb; b += 8) {
-      const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(dw + b), _mm256_loadu_ps(dx + b));
+      const __m256 dw8 = dw ? _mm256_loadu_ps(dw + b) : scales8<B>(w + b * B::BYTES);
+      const __m256 scale = _mm256_mul_ps(dw8, _mm256_loadu_ps(dx + b));
       const __m256 sums = _mm256_cvtepi32_ps(block_sums8<I, B>(w + b * B::BYTES, a + b * QK8));
       acc = _mm256_fmadd_ps(sums, scale, acc);
     }
     s = hsum_f32(acc);
     for (; b < nb; ++b)
-      s += static_cast<float>(hsum_i32(block_dot<I, B>(w + b * B::BYTES, a + b * QK8))) * (dw[b] * dx[b]);
+      s += static_cast<float>(hsum_i32(block_dot<I, B>(w + b * B::BYTES, a + b * QK8))) *
+           ((dw ? dw[b] : fp16(w + b * B::BYTES)) * dx[b]);
   }
 #endif
-  for (; b < nb; ++b) s += static_cast<float>(block_sum_scalar<B>(w + b * B::BYTES, a + b * QK8)) * (dw[b] * dx[b]);
+  for (; b < nb; ++b)
+    s += static_cast<float>(block_sum_scalar<B>(w + b * B::BYTES, a + b * QK8)) *
+         ((dw ? dw[b] : fp16(w + b * B::BYTES)) * dx[b]);
   return s;
+}
+
+// f16 scales of a row of nb blocks.
+template <typename B>
+inline void row_scales(const uint8_t* wr, int64_t nb, float* dw) {
+  for (int64_t b = 0; b < nb; ++b) dw[b] = fp16(wr + b * B::BYTES);
 }
 
 // y[rows[i]·N] for the n activation rows rows[0..n) against one weight row: four at a time where
 // the CPU has the vector paths (each block unpacked once for all four), one by one otherwise.
+// dw: room for the row's nb scales, filled here when several rows share them.
 template <Isa I, typename B>
-void rows_dot(const uint8_t* w, const float* dw, const int8_t* a, const float* dx, int64_t nb, const int64_t* rows,
+void rows_dot(const uint8_t* w, float* dw, const int8_t* a, const float* dx, int64_t nb, const int64_t* rows,
               int64_t n, float* y, int64_t N) {
+  if (n == 1) {  // the scales read in the same pass
+    y[rows[0] * N] = row_dot<I, B>(w, nullptr, a + rows[0] * nb * QK8, dx + rows[0] * nb, nb);
+    return;
+  }
+  row_scales<B>(w, nb, dw);
   int64_t i = 0;
 #ifdef __AVX2__
   if constexpr (I != Isa::Scalar) {
@@ -466,12 +493,6 @@ at::Tensor q8_block_sums(const at::Tensor& q_in, const at::Tensor& w, int64_t gg
   return out;
 }
 
-// f16 scales of a row of nb blocks.
-template <typename B>
-inline void row_scales(const uint8_t* wr, int64_t nb, float* dw) {
-  for (int64_t b = 0; b < nb; ++b) dw[b] = fp16(wr + b * B::BYTES);
-}
-
 #ifdef HYBRIDKV_VNNI
 // From this many activation rows on, `matmul_impl` takes the weight rows 8 at a time (`rows8_dot`):
 // its transposes pay off once several activation rows share them.
@@ -499,7 +520,6 @@ void matmul_rows8(const int8_t* a, const float* dx, int64_t T, const uint8_t* w,
       } else {
         const int64_t n = groups * 8 + (u - groups);
         const uint8_t* wr = w + n * row_bytes;
-        row_scales<B>(wr, nb, dw.data());
         rows_dot<Isa::Vnni, B>(wr, dw.data(), a, dx, nb, all_rows, T, y + n, N);
       }
     }
@@ -522,7 +542,6 @@ void matmul_impl(const int8_t* a, const float* dx, int64_t T, const uint8_t* w, 
     std::vector<float> dw(nb);
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* wr = w + n * nb * B::BYTES;
-      row_scales<B>(wr, nb, dw.data());
 #ifdef __AVX2__
       // One stream of weights keeps too few cache misses in flight: fetch the row 4 KiB ahead.
       for (int64_t at = 0; at < nb * B::BYTES; at += 64)
@@ -560,7 +579,6 @@ void experts_impl(const int8_t* a, const float* dx, int64_t P, const uint8_t* w,
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t g = u / N, n = u % N;
       const uint8_t* wr = w + (ids[pairs[start[g]]] * N + n) * row_bytes;
-      row_scales<B>(wr, nb, dw.data());
       rows_dot<I, B>(wr, dw.data(), a, dx, nb, pairs.data() + start[g], start[g + 1] - start[g], y + n, N);
     }
   });
