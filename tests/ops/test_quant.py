@@ -172,7 +172,8 @@ def symmetric_rows(N: int, K: int, seed: int, quantized: bool, t: GGMLType = GGM
     return random_rows(block_type(t), (N,), K, seed)
 
 
-SHAPES = [(1, 32, 1), (1, 608, 37), (3, 96, 5), (7, 256, 17), (32, 608, 9)]  # 608 = 19 blocks: 2 x 8 and 3
+SHAPES = [(1, 32, 1), (1, 608, 37), (3, 96, 5), (7, 256, 17), (32, 608, 9), (70, 96, 75)]
+# 608 = 19 blocks: 2 x 8 and 3; 70 x 75: two tiles of activation rows against two chunks of 8-row groups
 
 
 @pytest.mark.parametrize(("T", "K"), [(1, 32), (5, 96), (7, 608)])

@@ -528,31 +528,41 @@ void matmul_impl(const Q8K& xq, const uint8_t* w, int64_t N, float* y) {
 #ifdef __AVX2__
   if constexpr (I == Isa::Avx2) {
     if (T >= 2) {
-      at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-        std::vector<__m256> acc(T);
+      // Many activation rows (prefill) are taken TILE_T at a time against 16 weight rows, so both
+      // stay in L2: the weights are read from memory once, the activations once per 16 rows.
+      constexpr int64_t ROWS = 16, TILE_T = 64;
+      at::parallel_for(0, (N + ROWS - 1) / ROWS, 1, [&](int64_t c0, int64_t c1) {
+        std::vector<__m256> acc(std::min(T, TILE_T));
         Unpacked u;
-        for (int64_t n = n0; n < n1; ++n) {
-          std::fill(acc.begin(), acc.end(), _mm256_setzero_ps());
-          for (int64_t b = 0; b < nb; ++b) {
-            const uint8_t* wb = w + (n * nb + b) * KT::bytes;
-            for (int line = 0; line < KT::bytes; line += 64)
-              _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetch + line), _MM_HINT_T0);
-            unpack(KT{}, wb, u);
-            const float dw = fp16(wb + KT::d_at), dminw = KT::mins_in_d ? 0.f : fp16(wb + KT::dmin_at);
-            for (int64_t t = 0; t < T; ++t) {
-              const __m256i s = unpacked_dot(u, a + t * K + b * QK_K);
-              const __m256i m = _mm256_madd_epi16(load(u.mins), load(&xs[(t * nb + b) * 16]));
-              const float d = dw * dx[t * nb + b];
-              if constexpr (KT::mins_in_d) {
-                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_sub_epi32(s, m)), acc[t]);
-              } else {
-                const float dmin = -(dminw * dx[t * nb + b]);
-                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(s), acc[t]);
-                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(m), acc[t]);
+        for (int64_t c = c0; c < c1; ++c) {
+          for (int64_t t0 = 0; t0 < T; t0 += TILE_T) {
+            const int64_t t1 = std::min(T, t0 + TILE_T);
+            for (int64_t n = c * ROWS; n < std::min(N, (c + 1) * ROWS); ++n) {
+              std::fill(acc.begin(), acc.end(), _mm256_setzero_ps());
+              for (int64_t b = 0; b < nb; ++b) {
+                const uint8_t* wb = w + (n * nb + b) * KT::bytes;
+                if (t0 == 0)
+                  for (int line = 0; line < KT::bytes; line += 64)
+                    _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetch + line), _MM_HINT_T0);
+                unpack(KT{}, wb, u);
+                const float dw = fp16(wb + KT::d_at), dminw = KT::mins_in_d ? 0.f : fp16(wb + KT::dmin_at);
+                for (int64_t t = t0; t < t1; ++t) {
+                  const __m256i s = unpacked_dot(u, a + t * K + b * QK_K);
+                  const __m256i m = _mm256_madd_epi16(load(u.mins), load(&xs[(t * nb + b) * 16]));
+                  const float d = dw * dx[t * nb + b];
+                  __m256& at = acc[t - t0];
+                  if constexpr (KT::mins_in_d) {
+                    at = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_sub_epi32(s, m)), at);
+                  } else {
+                    const float dmin = -(dminw * dx[t * nb + b]);
+                    at = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(s), at);
+                    at = _mm256_fmadd_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(m), at);
+                  }
+                }
               }
+              for (int64_t t = t0; t < t1; ++t) y[t * N + n] = hsum_f32(acc[t - t0]);
             }
           }
-          for (int64_t t = 0; t < T; ++t) y[t * N + n] = hsum_f32(acc[t]);
         }
       });
       return;

@@ -502,27 +502,38 @@ constexpr int64_t ROWS8_FROM = 4;
 template <typename B>
 void matmul_rows8(const int8_t* a, const float* dx, int64_t T, const uint8_t* w, int64_t N, int64_t nb, float* y,
                   const int64_t* all_rows) {
+  // Many activation rows (prefill) are taken TILE_T at a time against GROUPS groups of weight rows,
+  // so both stay in L2: the weights are read from memory once, the activations once per GROUPS groups.
+  constexpr int64_t GROUPS = 8, TILE_T = 64;
   const int64_t row_bytes = nb * B::BYTES, groups = N / 8;
   std::vector<uint8_t> au(T * nb * QK8);
   for (size_t i = 0; i < au.size(); ++i) au[i] = static_cast<uint8_t>(a[i]) ^ 0x80;  // x + 128
-  at::parallel_for(0, groups + N % 8, 2, [&](int64_t u0, int64_t u1) {
-    std::vector<float> dw8(nb * 8), dw(nb);
-    for (int64_t u = u0; u < u1; ++u) {
-      if (u < groups) {
+  at::parallel_for(0, (groups + GROUPS - 1) / GROUPS, 1, [&](int64_t c0, int64_t c1) {
+    std::vector<float> dw8(GROUPS * nb * 8);
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t g0 = c * GROUPS, g1 = std::min(groups, g0 + GROUPS);
+      for (int64_t u = g0; u < g1; ++u) {
         const uint8_t* wr = w + u * 8 * row_bytes;
+        float* d = dw8.data() + (u - g0) * nb * 8;
         for (int64_t b = 0; b < nb; ++b)
-          for (int i = 0; i < 8; ++i) dw8[b * 8 + i] = fp16(wr + i * row_bytes + b * B::BYTES);
-        // Eight strided streams defeat the hardware prefetcher: fetch the next group while this one runs.
-        if (u + 1 < groups)
-          for (int64_t at = 0; at < 8 * row_bytes; at += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(wr + 8 * row_bytes + at), _MM_HINT_T0);
-        rows8_dot<B>(wr, row_bytes, dw8.data(), au.data(), dx, nb, all_rows, T, y + u * 8, N);
-      } else {
-        const int64_t n = groups * 8 + (u - groups);
-        const uint8_t* wr = w + n * row_bytes;
-        rows_dot<Isa::Vnni, B>(wr, dw.data(), a, dx, nb, all_rows, T, y + n, N);
+          for (int i = 0; i < 8; ++i) d[b * 8 + i] = fp16(wr + i * row_bytes + b * B::BYTES);
+      }
+      for (int64_t t0 = 0; t0 < T; t0 += TILE_T) {
+        for (int64_t u = g0; u < g1; ++u) {
+          const uint8_t* wr = w + u * 8 * row_bytes;
+          // Eight strided streams defeat the hardware prefetcher: fetch the next group while this one runs.
+          if (t0 == 0 && u + 1 < groups)
+            for (int64_t at = 0; at < 8 * row_bytes; at += 64)
+              _mm_prefetch(reinterpret_cast<const char*>(wr + 8 * row_bytes + at), _MM_HINT_T0);
+          rows8_dot<B>(wr, row_bytes, dw8.data() + (u - g0) * nb * 8, au.data(), dx, nb, all_rows + t0,
+                       std::min(TILE_T, T - t0), y + u * 8, N);
+        }
       }
     }
+  });
+  at::parallel_for(groups * 8, N, 1, [&](int64_t n0, int64_t n1) {  // the last N % 8 rows one by one
+    std::vector<float> dw(nb);
+    for (int64_t n = n0; n < n1; ++n) rows_dot<Isa::Vnni, B>(w + n * row_bytes, dw.data(), a, dx, nb, all_rows, T, y + n, N);
   });
 }
 #endif
