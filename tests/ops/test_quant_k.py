@@ -191,6 +191,22 @@ def test_matmul_is_float64_on_gguf_weights_and_q8_k_activations(t: GGMLType, T: 
     assert_close(k_dot.k_matmul_twin(x, torch.from_numpy(rows), t), x.double() @ w.T, rel=3e-2)
 
 
+@pytest.mark.skipif(native.kernels() is None, reason="C++ kernels could not be built here")
+@pytest.mark.parametrize("t", K_QUANTS, ids=lambda t: t.name)
+def test_experts_matmul_equals_each_tokens_product_on_its_expert(t: GGMLType) -> None:
+    """Expert 0 meets 67 tokens (two tiles of the several-token path), expert 1 two, expert 2 one
+    (the one-token path)."""
+    E, N, K = 3, 9, 512
+    rows = torch.from_numpy(np.stack([weight_rows(t, N, K, seed=e) for e in range(E)]))
+    ids = torch.tensor([0] * 33 + [1, 2] + [0] * 34 + [1])
+    x = activations(len(ids), K, seed=5)
+    want = torch.cat(
+        [torch.from_numpy(emulate(x[p : p + 1].numpy(), rows[e].numpy(), t)[2]) for p, e in enumerate(ids.tolist())]
+    )
+    for isa in k_dot.available_isas():
+        assert_close(k_dot.native_k_experts_matmul(x, rows, ids, t, isa), want, rel=1e-6)
+
+
 # --- the traits table and the weight -----------------------------------------------------------
 
 

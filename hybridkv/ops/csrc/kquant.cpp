@@ -517,6 +517,44 @@ void sums_impl(const int8_t* a, const int16_t* bs, int64_t T, int64_t K, const u
   });
 }
 
+#ifdef __AVX2__
+// Activation rows rows[0..n) (row r: codes at a + rows[r]·K, scales at dx + rows[r]·nb, mins' sums at
+// xs + rows[r]·nb·16) against one weight row w of nb super-blocks → y[rows[r]·N]: each super-block
+// unpacked once for all of them. acc: room for n accumulators; prefetch: fetch the row ahead.
+template <class KT>
+void rows_dot_unpacked(const uint8_t* w, int64_t nb, int64_t K, const int8_t* a, const float* dx, const int16_t* xs,
+                       const int64_t* rows, int64_t n, float* y, int64_t N, __m256* acc, bool prefetch) {
+  Unpacked u;
+  for (int64_t r = 0; r < n; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* wb = w + b * KT::bytes;
+    if (prefetch)
+      for (int line = 0; line < KT::bytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetch + line), _MM_HINT_T0);
+    unpack(KT{}, wb, u);
+    const float dw = fp16(wb + KT::d_at), dminw = KT::mins_in_d ? 0.f : fp16(wb + KT::dmin_at);
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t t = rows[r];
+      const __m256i s = unpacked_dot(u, a + t * K + b * QK_K);
+      const __m256i m = _mm256_madd_epi16(load(u.mins), load(&xs[(t * nb + b) * 16]));
+      const float d = dw * dx[t * nb + b];
+      if constexpr (KT::mins_in_d) {
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_sub_epi32(s, m)), acc[r]);
+      } else {
+        const float dmin = -(dminw * dx[t * nb + b]);
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(s), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(m), acc[r]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < n; ++r) y[rows[r] * N] = hsum_f32(acc[r]);
+}
+#endif
+
+// Activation rows taken at once against a weight row: their accumulators, and the rows of prefill
+// products' tiles (64 rows of 2048 features: 128 KiB, in L2 with the weight rows they meet).
+constexpr int64_t TILE_T = 64;
+
 // y [T, N] = x @ W.T: threads split W's rows; each weight row is read once from memory and dotted
 // with every activation row while it sits in L1 (T >= 2: each super-block unpacked once for all).
 template <class KT, Isa I>
@@ -530,40 +568,16 @@ void matmul_impl(const Q8K& xq, const uint8_t* w, int64_t N, float* y) {
     if (T >= 2) {
       // Many activation rows (prefill) are taken TILE_T at a time against 16 weight rows, so both
       // stay in L2: the weights are read from memory once, the activations once per 16 rows.
-      constexpr int64_t ROWS = 16, TILE_T = 64;
+      constexpr int64_t ROWS = 16;
+      std::vector<int64_t> all_rows(T);
+      for (int64_t t = 0; t < T; ++t) all_rows[t] = t;
       at::parallel_for(0, (N + ROWS - 1) / ROWS, 1, [&](int64_t c0, int64_t c1) {
-        std::vector<__m256> acc(std::min(T, TILE_T));
-        Unpacked u;
-        for (int64_t c = c0; c < c1; ++c) {
-          for (int64_t t0 = 0; t0 < T; t0 += TILE_T) {
-            const int64_t t1 = std::min(T, t0 + TILE_T);
-            for (int64_t n = c * ROWS; n < std::min(N, (c + 1) * ROWS); ++n) {
-              std::fill(acc.begin(), acc.end(), _mm256_setzero_ps());
-              for (int64_t b = 0; b < nb; ++b) {
-                const uint8_t* wb = w + (n * nb + b) * KT::bytes;
-                if (t0 == 0)
-                  for (int line = 0; line < KT::bytes; line += 64)
-                    _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetch + line), _MM_HINT_T0);
-                unpack(KT{}, wb, u);
-                const float dw = fp16(wb + KT::d_at), dminw = KT::mins_in_d ? 0.f : fp16(wb + KT::dmin_at);
-                for (int64_t t = t0; t < t1; ++t) {
-                  const __m256i s = unpacked_dot(u, a + t * K + b * QK_K);
-                  const __m256i m = _mm256_madd_epi16(load(u.mins), load(&xs[(t * nb + b) * 16]));
-                  const float d = dw * dx[t * nb + b];
-                  __m256& at = acc[t - t0];
-                  if constexpr (KT::mins_in_d) {
-                    at = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_sub_epi32(s, m)), at);
-                  } else {
-                    const float dmin = -(dminw * dx[t * nb + b]);
-                    at = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(s), at);
-                    at = _mm256_fmadd_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(m), at);
-                  }
-                }
-              }
-              for (int64_t t = t0; t < t1; ++t) y[t * N + n] = hsum_f32(acc[t - t0]);
-            }
-          }
-        }
+        std::vector<__m256> acc(TILE_T);
+        for (int64_t c = c0; c < c1; ++c)
+          for (int64_t t0 = 0; t0 < T; t0 += TILE_T)
+            for (int64_t n = c * ROWS; n < std::min(N, (c + 1) * ROWS); ++n)
+              rows_dot_unpacked<KT>(w + n * nb * KT::bytes, nb, K, a, dx, xs.data(), all_rows.data() + t0,
+                                    std::min(TILE_T, T - t0), y + n, N, acc.data(), t0 == 0);
       });
       return;
     }
@@ -624,9 +638,23 @@ void experts_impl(const Q8K& xq, const uint8_t* w, const int64_t* ids, int64_t N
   hybridkv::group_by_expert(ids, P, pairs, start);
   const int64_t G = static_cast<int64_t>(start.size()) - 1;
   at::parallel_for(0, G * N, 16, [&](int64_t u0, int64_t u1) {
+#ifdef __AVX2__
+    std::vector<__m256> acc(TILE_T);
+#endif
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t g = u / N, n = u % N;
       const uint8_t* wr = w + (ids[pairs[start[g]]] * N + n) * row_bytes;
+#ifdef __AVX2__
+      if constexpr (I == Isa::Avx2) {
+        // Several tokens on this expert (prefill, batched decode): each super-block unpacked once for all.
+        if (start[g + 1] - start[g] >= 2) {
+          for (int64_t i = start[g]; i < start[g + 1]; i += TILE_T)
+            rows_dot_unpacked<KT>(wr, nb, K, a, dx, xs.data(), pairs.data() + i, std::min(TILE_T, start[g + 1] - i),
+                                  y + n, N, acc.data(), true);
+          continue;
+        }
+      }
+#endif
       for (int64_t i = start[g]; i < start[g + 1]; ++i) {
         const int64_t p = pairs[i];
         y[p * N + n] = row_dot<KT, I>(wr, a + p * K, dx + p * nb, &xs[p * nb * 16], nb);
