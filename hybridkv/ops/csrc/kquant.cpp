@@ -30,6 +30,10 @@
 
 #include "experts.h"
 
+#if defined(__AVX2__) && ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
+#define HYBRIDKV_VNNI 1
+#endif
+
 // The per-super-block functions run inside the row loops: a call would spill the vectors.
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 
@@ -551,9 +555,109 @@ void rows_dot_unpacked(const uint8_t* w, int64_t nb, int64_t K, const int8_t* a,
 }
 #endif
 
+#ifdef HYBRIDKV_VNNI
+inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#endif
+}
+
+inline __m256i dpwssd(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(acc, a, b);
+#else
+  return _mm256_dpwssd_avx_epi32(acc, a, b);
+#endif
+}
+
+// Transposes 8 vectors of 8 dwords in place: v[j] lane i = old v[i] lane j.
+inline void transpose8(__m256i* v) {
+  const __m256i a0 = _mm256_unpacklo_epi32(v[0], v[1]), a1 = _mm256_unpackhi_epi32(v[0], v[1]);
+  const __m256i a2 = _mm256_unpacklo_epi32(v[2], v[3]), a3 = _mm256_unpackhi_epi32(v[2], v[3]);
+  const __m256i a4 = _mm256_unpacklo_epi32(v[4], v[5]), a5 = _mm256_unpackhi_epi32(v[4], v[5]);
+  const __m256i a6 = _mm256_unpacklo_epi32(v[6], v[7]), a7 = _mm256_unpackhi_epi32(v[6], v[7]);
+  const __m256i b0 = _mm256_unpacklo_epi64(a0, a2), b1 = _mm256_unpackhi_epi64(a0, a2);
+  const __m256i b2 = _mm256_unpacklo_epi64(a1, a3), b3 = _mm256_unpackhi_epi64(a1, a3);
+  const __m256i b4 = _mm256_unpacklo_epi64(a4, a6), b5 = _mm256_unpackhi_epi64(a4, a6);
+  const __m256i b6 = _mm256_unpacklo_epi64(a5, a7), b7 = _mm256_unpackhi_epi64(a5, a7);
+  v[0] = _mm256_permute2x128_si256(b0, b4, 0x20);
+  v[1] = _mm256_permute2x128_si256(b1, b5, 0x20);
+  v[2] = _mm256_permute2x128_si256(b2, b6, 0x20);
+  v[3] = _mm256_permute2x128_si256(b3, b7, 0x20);
+  v[4] = _mm256_permute2x128_si256(b0, b4, 0x31);
+  v[5] = _mm256_permute2x128_si256(b1, b5, 0x31);
+  v[6] = _mm256_permute2x128_si256(b2, b6, 0x31);
+  v[7] = _mm256_permute2x128_si256(b3, b7, 0x31);
+}
+
+// Eight weight rows at once, lanes = weight rows (llama.cpp's repacked GEMM, without repacking the
+// file): each row's super-block is unpacked (`unpack`: codes in activation order, a scale per 16
+// codes, the mins as i16), the codes transposed so that vector g holds codes 4g..4g+3 of every row,
+// and each activation row's 4-byte groups are broadcast against them: 4 dot instructions give the
+// 8 rows' sums over 16 codes, one i32 multiply scales them. The same integers S and M as
+// `rows_dot_unpacked`, with no horizontal add; one float step per super-block for 8 rows.
+// w: 8 rows of row_bytes; rows[0..n) activation rows (n <= TILE_T); y[rows[r]·N + 0..8).
+template <class KT>
+void rows8_kdot(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t K, const int8_t* a, const float* dx,
+                const int16_t* xs, const int64_t* rows, int64_t n, float* y, int64_t N, __m256* acc) {
+  Unpacked u[8];
+  alignas(32) int32_t scales[16][8];
+  alignas(32) float dws[8], dmins[8];
+  __m256i ct[64], mn[8];
+  for (int64_t r = 0; r < n; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int i = 0; i < 8; ++i) {
+      const uint8_t* wb = w + i * row_bytes + b * KT::bytes;
+      unpack(KT{}, wb, u[i]);
+      for (int h = 0; h < 16; ++h) scales[h][i] = u[i].scales[h / 2][(h % 2) * 8];
+      dws[i] = fp16(wb + KT::d_at);
+      dmins[i] = KT::mins_in_d ? 0.f : fp16(wb + KT::dmin_at);
+    }
+    for (int c = 0; c < 8; ++c) {  // codes 32c..32c+31 of each row: groups 8c..8c+7
+      for (int i = 0; i < 8; ++i) ct[8 * c + i] = load(u[i].codes + 32 * c);
+      transpose8(ct + 8 * c);
+    }
+    for (int i = 0; i < 8; ++i) mn[i] = load(u[i].mins);
+    transpose8(mn);  // mn[p] lane i: row i's mins 2p, 2p+1
+    const __m256 dw = _mm256_load_ps(dws), dmin = _mm256_load_ps(dmins);
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t t = rows[r];
+      const float* x = reinterpret_cast<const float*>(a + t * K + b * QK_K);  // 4-byte groups, broadcast
+      __m256i S = _mm256_setzero_si256();
+      for (int h = 0; h < 16; ++h) {
+        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+        s0 = dpbusd(s0, ct[4 * h], _mm256_castps_si256(_mm256_broadcast_ss(x + 4 * h)));
+        s1 = dpbusd(s1, ct[4 * h + 1], _mm256_castps_si256(_mm256_broadcast_ss(x + 4 * h + 1)));
+        s0 = dpbusd(s0, ct[4 * h + 2], _mm256_castps_si256(_mm256_broadcast_ss(x + 4 * h + 2)));
+        s1 = dpbusd(s1, ct[4 * h + 3], _mm256_castps_si256(_mm256_broadcast_ss(x + 4 * h + 3)));
+        const __m256i sc = _mm256_load_si256(reinterpret_cast<const __m256i*>(scales[h]));
+        S = _mm256_add_epi32(S, _mm256_mullo_epi32(_mm256_add_epi32(s0, s1), sc));
+      }
+      const float* xm = reinterpret_cast<const float*>(xs + (t * nb + b) * 16);  // i16 pairs, broadcast
+      __m256i M = _mm256_setzero_si256();
+      for (int p = 0; p < 8; ++p) M = dpwssd(M, mn[p], _mm256_castps_si256(_mm256_broadcast_ss(xm + p)));
+      const __m256 d = _mm256_mul_ps(dw, _mm256_set1_ps(dx[t * nb + b]));
+      if constexpr (KT::mins_in_d) {
+        acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(S, M)), acc[r]);
+      } else {
+        const __m256 dm = _mm256_mul_ps(dmin, _mm256_set1_ps(dx[t * nb + b]));
+        acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(S), acc[r]);
+        acc[r] = _mm256_fnmadd_ps(dm, _mm256_cvtepi32_ps(M), acc[r]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < n; ++r) _mm256_storeu_ps(y + rows[r] * N, acc[r]);
+}
+#endif
+
 // Activation rows taken at once against a weight row: their accumulators, and the rows of prefill
 // products' tiles (64 rows of 2048 features: 128 KiB, in L2 with the weight rows they meet).
 constexpr int64_t TILE_T = 64;
+// From this many activation rows on, the dense product takes weight rows 8 at a time (`rows8_kdot`):
+// its per-super-block transposes pay off only over many rows (measured: slower at 4-16, 1.2x at 64+).
+constexpr int64_t ROWS8_FROM = 32;
 
 // y [T, N] = x @ W.T: threads split W's rows; each weight row is read once from memory and dotted
 // with every activation row while it sits in L1 (T >= 2: each super-block unpacked once for all).
@@ -574,10 +678,19 @@ void matmul_impl(const Q8K& xq, const uint8_t* w, int64_t N, float* y) {
       at::parallel_for(0, (N + ROWS - 1) / ROWS, 1, [&](int64_t c0, int64_t c1) {
         std::vector<__m256> acc(TILE_T);
         for (int64_t c = c0; c < c1; ++c)
-          for (int64_t t0 = 0; t0 < T; t0 += TILE_T)
-            for (int64_t n = c * ROWS; n < std::min(N, (c + 1) * ROWS); ++n)
-              rows_dot_unpacked<KT>(w + n * nb * KT::bytes, nb, K, a, dx, xs.data(), all_rows.data() + t0,
-                                    std::min(TILE_T, T - t0), y + n, N, acc.data(), t0 == 0);
+          for (int64_t t0 = 0; t0 < T; t0 += TILE_T) {
+            const int64_t tiles = std::min(TILE_T, T - t0), end = std::min(N, (c + 1) * ROWS);
+            int64_t n = c * ROWS;
+#ifdef HYBRIDKV_VNNI
+            if (T >= ROWS8_FROM)
+              for (; n + 8 <= end; n += 8)
+                rows8_kdot<KT>(w + n * nb * KT::bytes, nb * KT::bytes, nb, K, a, dx, xs.data(), all_rows.data() + t0,
+                               tiles, y + n, N, acc.data());
+#endif
+            for (; n < end; ++n)
+              rows_dot_unpacked<KT>(w + n * nb * KT::bytes, nb, K, a, dx, xs.data(), all_rows.data() + t0, tiles,
+                                    y + n, N, acc.data(), t0 == 0);
+          }
       });
       return;
     }
