@@ -1,6 +1,6 @@
 """GGUF weight types against gguf-py (the independent reference), and the integer matmul of the
-symmetric 32-weight types (Q8_0, Q4_0, Q5_0, IQ4_NL) against its NumPy emulation: activation
-blocks and integer block sums exactly, floats to rounding."""
+32-weight types (Q8_0, Q4_0, Q5_0, IQ4_NL; Q4_1, Q5_1 with their min) against its NumPy emulation:
+activation blocks and integer block sums exactly, floats to rounding."""
 
 from __future__ import annotations
 
@@ -126,7 +126,8 @@ def test_reference_matmul_is_a_float64_matmul_up_to_summation_order(t: BlockType
 
 # --- Q8_0, Q4_0, Q5_0, IQ4_NL with 8-bit activations -------------------------------------------
 
-SYMMETRIC = [GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q5_0, GGMLType.IQ4_NL]
+WITH_MIN = [GGMLType.Q4_1, GGMLType.Q5_1]  # weight = d·code + m
+TYPES32 = [GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q5_0, GGMLType.IQ4_NL, *WITH_MIN]
 
 
 def emulate_quantize_rows_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -142,13 +143,24 @@ def emulate_quantize_rows_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def emulate_block_sums(xq: np.ndarray, rows: np.ndarray, t: GGMLType = GGMLType.Q8_0) -> np.ndarray:
     """Integer block sums [T, N, nb] of activation blocks with rows of type t, in int64. The weight
     codes come from gguf-py's dequantized values over the block's fp16 d (d·code is exact in float32:
-    an 11-bit d times a code of at most 8 bits)."""
+    an 11-bit d times a code of at most 8 bits); for the types with a min (weight = d·code + m) from
+    the block's bits, checked against gguf-py's values."""
     T, N = xq.shape[0], rows.shape[0]
     bt = block_type(t)
-    d = rows.reshape(N, -1, bt.block_bytes)[..., :2].copy().view(np.float16).astype(np.float32)
+    blocks = rows.reshape(N, -1, bt.block_bytes)
+    d = blocks[..., :2].copy().view(np.float16).astype(np.float32)
     w = gguf_dequantize(rows, bt).reshape(N, -1, 32)
-    wq = np.rint(w / d).astype(np.int64)
-    assert np.array_equal((wq * d).astype(np.float32), w) and np.abs(wq).max() <= 128
+    if t in WITH_MIN:
+        m = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
+        qs = blocks[..., 4:20] if t == GGMLType.Q4_1 else blocks[..., 8:24]
+        wq = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.int64)
+        if t == GGMLType.Q5_1:
+            qh = blocks[..., 4:8].copy().view(np.uint32)
+            wq |= ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int64) << 4
+        assert np.array_equal((wq * d + m).astype(np.float32), w)
+    else:
+        wq = np.rint(w / d).astype(np.int64)
+        assert np.array_equal((wq * d).astype(np.float32), w) and np.abs(wq).max() <= 128
     return np.einsum("tbk,nbk->tnb", xq.reshape(T, -1, 32).astype(np.int64), wq)
 
 
@@ -161,7 +173,7 @@ def activations(T: int, K: int, seed: int) -> torch.Tensor:
     return x
 
 
-def symmetric_rows(N: int, K: int, seed: int, quantized: bool, t: GGMLType = GGMLType.Q8_0) -> np.ndarray:
+def rows32(N: int, K: int, seed: int, quantized: bool, t: GGMLType = GGMLType.Q8_0) -> np.ndarray:
     """Rows of type t by gguf-py's quantizer (where it has one), or random blocks (every code)."""
     if quantized:
         w = np.random.default_rng(seed).standard_normal((N, K)).astype(np.float32)
@@ -189,12 +201,12 @@ def test_activation_blocks_match_the_emulation(T: int, K: int) -> None:
         assert np.array_equal(got.q.numpy(), want_q) and np.array_equal(got.d.numpy(), want_d)
 
 
-@pytest.mark.parametrize("t", SYMMETRIC, ids=lambda t: t.name)
+@pytest.mark.parametrize("t", TYPES32, ids=lambda t: t.name)
 @pytest.mark.parametrize(("T", "K", "N"), SHAPES)
 @pytest.mark.parametrize("quantized", [True, False], ids=["gguf-quantized", "random-blocks"])
 def test_block_sums_equal_the_emulation_exactly(t: GGMLType, T: int, K: int, N: int, quantized: bool) -> None:
     x = activations(T, K, seed=N)
-    rows = symmetric_rows(N, K, seed=T, quantized=quantized, t=t)
+    rows = rows32(N, K, seed=T, quantized=quantized, t=t)
     xq = int8_dot.quantize_rows_q8(x)
     want = emulate_block_sums(xq.q.numpy(), rows, t)
     w = torch.from_numpy(rows)
@@ -203,7 +215,7 @@ def test_block_sums_equal_the_emulation_exactly(t: GGMLType, T: int, K: int, N: 
         assert np.array_equal(int8_dot.native_block_sums(xq, w, t, isa).numpy(), want), isa
 
 
-@pytest.mark.parametrize("t", SYMMETRIC, ids=lambda t: t.name)
+@pytest.mark.parametrize("t", TYPES32, ids=lambda t: t.name)
 @pytest.mark.parametrize(("T", "K", "N"), SHAPES)
 @pytest.mark.parametrize("quantized", [True, False], ids=["gguf-quantized", "random-blocks"])
 def test_q8_matmul_twin_against_float64_on_dequantized_blocks(
@@ -211,7 +223,7 @@ def test_q8_matmul_twin_against_float64_on_dequantized_blocks(
 ) -> None:
     # Exactly the integer path's math in float64: dequantized activation blocks @ gguf's weights.
     x = activations(T, K, seed=N)
-    rows = symmetric_rows(N, K, seed=T, quantized=quantized, t=t)
+    rows = rows32(N, K, seed=T, quantized=quantized, t=t)
     xq = int8_dot.quantize_rows_q8(x)
     x_blocks = xq.q.double().reshape(T, -1, 32) * xq.d.double()[..., None]
     w = torch.from_numpy(gguf_dequantize(rows, block_type(t))).double()
@@ -224,22 +236,22 @@ def test_q8_matmul_twin_against_float64_on_dequantized_blocks(
 
 
 @needs_native
-@pytest.mark.parametrize("t", SYMMETRIC, ids=lambda t: t.name)
+@pytest.mark.parametrize("t", TYPES32, ids=lambda t: t.name)
 @pytest.mark.parametrize(("T", "K", "N"), SHAPES)
 @pytest.mark.parametrize("quantized", [True, False], ids=["gguf-quantized", "random-blocks"])
 def test_native_q8_matmul_equals_the_twin(t: GGMLType, T: int, K: int, N: int, quantized: bool) -> None:
     x = activations(T, K, seed=N)
-    rows = torch.from_numpy(symmetric_rows(N, K, seed=T, quantized=quantized, t=t))
+    rows = torch.from_numpy(rows32(N, K, seed=T, quantized=quantized, t=t))
     want = int8_dot.q8_matmul_twin(x, rows, t)
     for isa in int8_dot.available_isas():
         assert_close(int8_dot.native_q8_matmul(x, rows, t, isa), want, rel=1e-6)
 
 
 @needs_native
-@pytest.mark.parametrize("t", SYMMETRIC, ids=lambda t: t.name)
+@pytest.mark.parametrize("t", TYPES32, ids=lambda t: t.name)
 def test_native_q8_experts_matmul_equals_each_experts_product(t: GGMLType) -> None:
     E, N, K = 3, 9, 96
-    rows = torch.from_numpy(np.stack([symmetric_rows(N, K, seed=e, quantized=False, t=t) for e in range(E)]))
+    rows = torch.from_numpy(np.stack([rows32(N, K, seed=e, quantized=False, t=t) for e in range(E)]))
     x, ids = activations(5, K, seed=3), torch.tensor([2, 0, 2, 1, 0])
     want = torch.cat([int8_dot.q8_matmul_twin(x[p : p + 1], rows[e], t) for p, e in enumerate(ids.tolist())])
     for isa in int8_dot.available_isas():
@@ -259,15 +271,15 @@ def test_native_q8_names_what_does_not_match() -> None:
         int8_dot.native_q8_matmul(x, rows, GGMLType.Q4_K)
 
 
-@pytest.mark.parametrize("t", SYMMETRIC, ids=lambda t: t.name)
+@pytest.mark.parametrize("t", TYPES32, ids=lambda t: t.name)
 @pytest.mark.parametrize("use_native", [True, False], ids=["native", "pytorch"])
-def test_symmetric_weight_matmul_takes_the_integer_path_for_few_rows(
+def test_32_weight_matmul_takes_the_integer_path_for_few_rows(
     t: GGMLType, use_native: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if use_native and native.kernels() is None:
         pytest.skip("C++ kernels could not be built here")
     monkeypatch.setattr(native, "disabled", not use_native)
-    rows = torch.from_numpy(symmetric_rows(9, 256, seed=0, quantized=True, t=t))
+    rows = torch.from_numpy(rows32(9, 256, seed=0, quantized=True, t=t))
     w = QuantizedWeight.of(rows, t)
     few, many = activations(3, 256, seed=1), activations(int8_dot.FEW_ROWS + 1, 256, seed=2)
     assert_close(w.matmul(few), int8_dot.q8_matmul_twin(few, rows, t), rel=1e-6)

@@ -8,8 +8,9 @@
 // per super-block. Q6_K's codes are unsigned with m_j = 32·sc_j in units of d: (d_w·d_x)·(S − M).
 // Two code paths give the same integers: AVX2 (`maddubs`: u8 code × s8 activation into i16 pairs,
 // then `madd` by the i16 scale into i32; with several activation rows each weight super-block is
-// unpacked once for all of them) and a plain loop; `isa` picks one, so the tests run both. There is
-// no VNNI path: `dpbusd` would leave the per-sub-block scale to an i32 multiply.
+// unpacked once for all of them) and a plain loop; `isa` picks one, so the tests run both. On VNNI,
+// prefill-sized products (32+ activation rows) take 8 weight rows at a time with the lanes being
+// weight rows (`rows8_kdot`): there the per-sub-block i32 multiply is shared by 8 rows.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>

@@ -1,13 +1,15 @@
 // GGUF weight-block kernels (PyTorch twins and Python signatures: hybridkv/ops/quant/int8_dot.py).
 //
-// llama.cpp's decode scheme for the symmetric 32-weight types (Q8_0, and the fallbacks Q5_0, Q4_0,
-// IQ4_NL, whose vec_dot type is Q8_0): each activation row is quantized once into 8-bit blocks of
-// 32 (d = max|x|/127 kept in float32); a weight block (f16 d, then its codes, read in place from the
-// file's rows and unpacked to 32 int8 in registers) and an activation block meet as one exact
-// integer dot product, then one float multiply by d_w·d_x. Three code paths give the same integer
-// sums: AVX-512 VNNI or AVX-VNNI (`dpbusd`), AVX2 (`maddubs` + `madd`), and a plain loop; `isa`
-// picks one, so the tests run each that this CPU has. Built with -march=native, so the VNNI path exists only where the CPU
-// has it.
+// llama.cpp's decode scheme for the 32-weight types (Q8_0, and the fallbacks Q5_0, Q4_0, IQ4_NL,
+// whose vec_dot type is Q8_0; Q4_1, Q5_1, with a min, whose vec_dot type is Q8_1): each activation
+// row is quantized once into 8-bit blocks of 32 (d = max|x|/127 kept in float32); a weight block
+// (f16 d, then its codes, read in place from the file's rows and unpacked to 32 int8 in registers)
+// and an activation block meet as one exact integer dot product, then one float multiply by d_w·d_x
+// (plus m_w·d_x·Σq_x for a block with a min). Three code paths give the same integer sums: AVX-512
+// VNNI or AVX-VNNI (`dpbusd`; one activation row on 512-bit vectors where the CPU has AVX-512, 4+
+// rows with the lanes being 8 weight rows), AVX2 (`maddubs` + `madd`), and a plain loop; `isa`
+// picks one, so the tests run each that this CPU has. Built with -march=native, so the VNNI path
+// exists only where the CPU has it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -28,6 +30,9 @@
 
 #if defined(__AVX2__) && ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
 #define HYBRIDKV_VNNI 1
+#endif
+#if defined(HYBRIDKV_VNNI) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
+#define HYBRIDKV_ZMM 1  // the single-row dot on 512-bit vectors
 #endif
 
 namespace {
@@ -68,38 +73,44 @@ inline float fp16(const uint8_t* p) {
 #endif
 }
 
-// The symmetric 32-weight block types: bytes per block, and their 32 signed codes (value = d·code).
+// The 32-weight block types: bytes per block, and their 32 codes (weight = d·code, + m for Q4_1, Q5_1).
 constexpr int8_t IQ4_NL_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
+// The codes of a nibble type (Q4_0, Q4_1, Q5_0, Q5_1) from its layout constants below: nibble j of
+// qs (low nibbles weights 0-15, high 16-31), bit j of qh as bit 4 for the five-bit types, less OFFSET.
+template <typename B>
+void nibble_codes(const uint8_t* b, int8_t* q) {
+  uint32_t qh = 0;
+  if constexpr (B::QH_AT != 0) std::memcpy(&qh, b + B::QH_AT, 4);
+  for (int j = 0; j < 16; ++j) {
+    q[j] = static_cast<int8_t>(((b[B::QS_AT + j] & 15) | ((qh >> j) & 1) << 4) - B::OFFSET);
+    q[j + 16] = static_cast<int8_t>(((b[B::QS_AT + j] >> 4) | ((qh >> (j + 16)) & 1) << 4) - B::OFFSET);
+  }
+}
+
+// QS_AT: where the codes (or the nibbles) start; QH_AT: the five-bit types' high bits; OFFSET: what is
+// taken off a nibble (or five bits) to make the code; HAS_MIN: an f16 m after d, weight = d·code + m.
 struct Q8_0Block {  // f16 d; i8 q[32]
-  static constexpr int ID = 8, BYTES = 34;
+  static constexpr int ID = 8, BYTES = 34, QS_AT = 2, QH_AT = 0, OFFSET = 0;
+  static constexpr bool HAS_MIN = false;
   static constexpr const char* NAME = "Q8_0";
   static void codes(const uint8_t* b, int8_t* q) { std::memcpy(q, b + 2, QK8); }
 };
 struct Q4_0Block {  // f16 d; u8 qs[16]: low nibbles weights 0-15, high 16-31; code = nibble - 8
-  static constexpr int ID = 2, BYTES = 18;
+  static constexpr int ID = 2, BYTES = 18, QS_AT = 2, QH_AT = 0, OFFSET = 8;
+  static constexpr bool HAS_MIN = false;
   static constexpr const char* NAME = "Q4_0";
-  static void codes(const uint8_t* b, int8_t* q) {
-    for (int j = 0; j < 16; ++j) {
-      q[j] = static_cast<int8_t>((b[2 + j] & 15) - 8);
-      q[j + 16] = static_cast<int8_t>((b[2 + j] >> 4) - 8);
-    }
-  }
+  static void codes(const uint8_t* b, int8_t* q) { nibble_codes<Q4_0Block>(b, q); }
 };
 struct Q5_0Block {  // f16 d; u32 qh (bit j: bit 4 of weight j); u8 qs[16] as Q4_0; code = q - 16
-  static constexpr int ID = 6, BYTES = 22;
+  static constexpr int ID = 6, BYTES = 22, QS_AT = 6, QH_AT = 2, OFFSET = 16;
+  static constexpr bool HAS_MIN = false;
   static constexpr const char* NAME = "Q5_0";
-  static void codes(const uint8_t* b, int8_t* q) {
-    uint32_t qh;
-    std::memcpy(&qh, b + 2, 4);
-    for (int j = 0; j < 16; ++j) {
-      q[j] = static_cast<int8_t>(((b[6 + j] & 15) | ((qh >> j) & 1) << 4) - 16);
-      q[j + 16] = static_cast<int8_t>(((b[6 + j] >> 4) | ((qh >> (j + 16)) & 1) << 4) - 16);
-    }
-  }
+  static void codes(const uint8_t* b, int8_t* q) { nibble_codes<Q5_0Block>(b, q); }
 };
 struct IQ4_NLBlock {  // f16 d; u8 qs[16] as Q4_0; code = a non-linear level of the nibble
-  static constexpr int ID = 20, BYTES = 18;
+  static constexpr int ID = 20, BYTES = 18, QS_AT = 2, QH_AT = 0, OFFSET = 0;
+  static constexpr bool HAS_MIN = false;
   static constexpr const char* NAME = "IQ4_NL";
   static void codes(const uint8_t* b, int8_t* q) {
     for (int j = 0; j < 16; ++j) {
@@ -107,6 +118,19 @@ struct IQ4_NLBlock {  // f16 d; u8 qs[16] as Q4_0; code = a non-linear level of 
       q[j + 16] = IQ4_NL_LEVELS[b[2 + j] >> 4];
     }
   }
+};
+
+struct Q4_1Block {  // f16 d; f16 m; u8 qs[16] as Q4_0; code = nibble (0..15)
+  static constexpr int ID = 3, BYTES = 20, QS_AT = 4, QH_AT = 0, OFFSET = 0;
+  static constexpr bool HAS_MIN = true;
+  static constexpr const char* NAME = "Q4_1";
+  static void codes(const uint8_t* b, int8_t* q) { nibble_codes<Q4_1Block>(b, q); }
+};
+struct Q5_1Block {  // f16 d; f16 m; u32 qh as Q5_0; u8 qs[16] as Q4_0; code = q (0..31)
+  static constexpr int ID = 7, BYTES = 24, QS_AT = 8, QH_AT = 4, OFFSET = 0;
+  static constexpr bool HAS_MIN = true;
+  static constexpr const char* NAME = "Q5_1";
+  static void codes(const uint8_t* b, int8_t* q) { nibble_codes<Q5_1Block>(b, q); }
 };
 
 // x [K] → K/32 blocks: d = max|x|/127, q = round(x·(1/d)) ties to even (the default rounding mode),
@@ -142,24 +166,24 @@ inline __m256i unpack(const uint8_t* blk) {
   if constexpr (B::ID == Q8_0Block::ID) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
   } else {
-    const int at = B::ID == Q5_0Block::ID ? 6 : 2;
-    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + at));
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + B::QS_AT));
     const __m128i low = _mm_set1_epi8(15);
     const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), low), _mm_and_si128(qs, low));
-    if constexpr (B::ID == Q4_0Block::ID) {
-      return _mm256_sub_epi8(nib, _mm256_set1_epi8(8));
-    } else if constexpr (B::ID == IQ4_NLBlock::ID) {
+    if constexpr (B::ID == IQ4_NLBlock::ID) {
       const __m128i levels = _mm_loadu_si128(reinterpret_cast<const __m128i*>(IQ4_NL_LEVELS));
       return _mm256_shuffle_epi8(_mm256_set_m128i(levels, levels), nib);
-    } else {  // Q5_0: byte j of qh's bits spread to 32 bytes, 0x10 where bit j is set
+    } else if constexpr (B::QH_AT == 0) {  // Q4_0, Q4_1
+      return B::OFFSET ? _mm256_sub_epi8(nib, _mm256_set1_epi8(B::OFFSET)) : nib;
+    } else {  // Q5_0, Q5_1: byte j of qh's bits spread to 32 bytes, 0x10 where bit j is set
       uint32_t qh;
-      std::memcpy(&qh, blk + 2, 4);
+      std::memcpy(&qh, blk + B::QH_AT, 4);
       const __m256i spread = _mm256_shuffle_epi8(
           _mm256_set1_epi32(static_cast<int>(qh)),
           _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
       const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
       const __m256i high = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
-      return _mm256_sub_epi8(_mm256_or_si256(nib, high), _mm256_set1_epi8(16));
+      const __m256i q = _mm256_or_si256(nib, high);
+      return B::OFFSET ? _mm256_sub_epi8(q, _mm256_set1_epi8(B::OFFSET)) : q;
     }
   }
 }
@@ -197,13 +221,14 @@ inline __m256i block_dot(const uint8_t* blk, const int8_t* a) {
   return signed_dot<I>(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
 }
 
-// Activation rows rows[0..R) (of nb blocks each, at a and dx) against one weight row → out[rows[r]·N]:
-// each block unpacked once and met by every row, its 8 int32 lanes scaled into a float accumulator
-// per row (llama.cpp's order), summed at the end.
+// Activation rows rows[0..R) (of nb blocks each, at a and dx; sx: their blocks' d·Σq for the types
+// with a min) against one weight row → out[rows[r]·N]: each block unpacked once and met by every
+// row, its 8 int32 lanes scaled into a float accumulator per row (llama.cpp's order), summed at the end.
 template <Isa I, typename B, int R>
-void row_dots(const uint8_t* w, const float* dw, const int8_t* a, const float* dx, int64_t nb, const int64_t* rows,
-              float* out, int64_t N) {
+void row_dots(const uint8_t* w, const float* dw, const int8_t* a, const float* dx, const float* sx, int64_t nb,
+              const int64_t* rows, float* out, int64_t N) {
   __m256 acc[R];
+  float mins[R] = {};
   const int8_t* ar[R];
   const float* dr[R];
   for (int r = 0; r < R; ++r) {
@@ -219,8 +244,12 @@ void row_dots(const uint8_t* w, const float* dw, const int8_t* a, const float* d
       const __m256 sums = _mm256_cvtepi32_ps(signed_dot<I>(w_abs, _mm256_sign_epi8(x, wq)));
       acc[r] = _mm256_fmadd_ps(sums, _mm256_set1_ps(dw[b] * dr[r][b]), acc[r]);
     }
+    if constexpr (B::HAS_MIN) {
+      const float m = fp16(w + b * B::BYTES + 2);
+      for (int r = 0; r < R; ++r) mins[r] += m * sx[rows[r] * nb + b];
+    }
   }
-  for (int r = 0; r < R; ++r) out[rows[r] * N] = hsum_f32(acc[r]);
+  for (int r = 0; r < R; ++r) out[rows[r] * N] = hsum_f32(acc[r]) + mins[r];
 }
 
 inline int32_t hsum_i32(__m256i v) {
@@ -259,39 +288,78 @@ void row_block_sums(const uint8_t* w, const int8_t* a, int64_t nb, int32_t* out)
 }
 
 #if defined(__AVX2__) && defined(__F16C__)
-// The f16 scales of 8 consecutive blocks as floats, read from the blocks themselves.
+// The f16 fields at byte `at` of 8 consecutive blocks (0: the scales d, 2: the mins m) as floats,
+// read from the blocks themselves.
 template <typename B>
-inline __m256 scales8(const uint8_t* w) {
+inline __m256 halves8(const uint8_t* w, int at = 0) {
   uint16_t bits[8];
-  for (int i = 0; i < 8; ++i) std::memcpy(&bits[i], w + i * B::BYTES, 2);
+  for (int i = 0; i < 8; ++i) std::memcpy(&bits[i], w + i * B::BYTES + at, 2);
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bits)));
 }
 #endif
 
-// Σ_b block_sum_b · (dw[b]·dx[b]) for one weight row and one activation row; dw null: the scales
-// read from the blocks as they are met (one pass over the row instead of two).
+// The min term of block b, m_w·(d_x·Σq_x), for the types with one (0 otherwise).
+template <typename B>
+inline float min_term(const uint8_t* w, const float* sx, int64_t b) {
+  if constexpr (B::HAS_MIN) return fp16(w + b * B::BYTES + 2) * sx[b];
+  return 0.f;
+}
+
+// Σ_b block_sum_b · (dw[b]·dx[b]) (+ m_b·sx[b] for the types with a min) for one weight row and one
+// activation row; dw null: the scales read from the blocks as they are met (one pass over the row
+// instead of two).
 template <Isa I, typename B>
-float row_dot(const uint8_t* w, const float* dw, const int8_t* a, const float* dx, int64_t nb) {
+float row_dot(const uint8_t* w, const float* dw, const int8_t* a, const float* dx, const float* sx, int64_t nb) {
   int64_t b = 0;
   float s = 0.f;
+#if defined(HYBRIDKV_ZMM)
+  if constexpr (I == Isa::Vnni) {
+    // Two blocks per 512-bit vector: a block pair's 16 int32 lanes are scaled in float by their
+    // blocks' d_w·d_x (spread over the halves by one permute) into one accumulator.
+    __m512 acc = _mm512_setzero_ps();
+    __m256 mins = _mm256_setzero_ps();
+    const __m512i pair_idx[4] = {_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+                                 _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2),
+                                 _mm512_set_epi32(5, 5, 5, 5, 5, 5, 5, 5, 4, 4, 4, 4, 4, 4, 4, 4),
+                                 _mm512_set_epi32(7, 7, 7, 7, 7, 7, 7, 7, 6, 6, 6, 6, 6, 6, 6, 6)};
+    for (; b + 8 <= nb; b += 8) {
+      const __m256 dw8 = dw ? _mm256_loadu_ps(dw + b) : halves8<B>(w + b * B::BYTES);
+      const __m512 scale = _mm512_castps256_ps512(_mm256_mul_ps(dw8, _mm256_loadu_ps(dx + b)));
+      for (int p = 0; p < 4; ++p) {
+        const uint8_t* blk = w + (b + 2 * p) * B::BYTES;
+        const __m512i wq = _mm512_inserti64x4(_mm512_castsi256_si512(unpack<B>(blk)), unpack<B>(blk + B::BYTES), 1);
+        const __m512i x = _mm512_loadu_si512(a + (b + 2 * p) * QK8);
+        // x·sign(w) against |w| (|-128| read as unsigned 128), as `signed_dot`.
+        const __m512i xs = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(wq), _mm512_setzero_si512(), x);
+        const __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(wq), xs);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_permutexvar_ps(pair_idx[p], scale), acc);
+      }
+      if constexpr (B::HAS_MIN) mins = _mm256_fmadd_ps(halves8<B>(w + b * B::BYTES, 2), _mm256_loadu_ps(sx + b), mins);
+    }
+    s = _mm512_reduce_add_ps(acc) + hsum_f32(mins);
+  }
+#endif
 #if defined(__AVX2__) && defined(__F16C__)
   if constexpr (I != Isa::Scalar) {
     __m256 acc = _mm256_setzero_ps();
     for (; b + 8 <= nb; b += 8) {
-      const __m256 dw8 = dw ? _mm256_loadu_ps(dw + b) : scales8<B>(w + b * B::BYTES);
+      const __m256 dw8 = dw ? _mm256_loadu_ps(dw + b) : halves8<B>(w + b * B::BYTES);
       const __m256 scale = _mm256_mul_ps(dw8, _mm256_loadu_ps(dx + b));
       const __m256 sums = _mm256_cvtepi32_ps(block_sums8<I, B>(w + b * B::BYTES, a + b * QK8));
       acc = _mm256_fmadd_ps(sums, scale, acc);
+      if constexpr (B::HAS_MIN) acc = _mm256_fmadd_ps(halves8<B>(w + b * B::BYTES, 2), _mm256_loadu_ps(sx + b), acc);
     }
-    s = hsum_f32(acc);
+    s += hsum_f32(acc);  // (after the 512-bit loop, where it ran, this one has nothing left)
     for (; b < nb; ++b)
       s += static_cast<float>(hsum_i32(block_dot<I, B>(w + b * B::BYTES, a + b * QK8))) *
-           ((dw ? dw[b] : fp16(w + b * B::BYTES)) * dx[b]);
+               ((dw ? dw[b] : fp16(w + b * B::BYTES)) * dx[b]) +
+           min_term<B>(w, sx, b);
   }
 #endif
   for (; b < nb; ++b)
     s += static_cast<float>(block_sum_scalar<B>(w + b * B::BYTES, a + b * QK8)) *
-         ((dw ? dw[b] : fp16(w + b * B::BYTES)) * dx[b]);
+             ((dw ? dw[b] : fp16(w + b * B::BYTES)) * dx[b]) +
+         min_term<B>(w, sx, b);
   return s;
 }
 
@@ -305,10 +373,11 @@ inline void row_scales(const uint8_t* wr, int64_t nb, float* dw) {
 // the CPU has the vector paths (each block unpacked once for all four), one by one otherwise.
 // dw: room for the row's nb scales, filled here when several rows share them.
 template <Isa I, typename B>
-void rows_dot(const uint8_t* w, float* dw, const int8_t* a, const float* dx, int64_t nb, const int64_t* rows,
-              int64_t n, float* y, int64_t N) {
+void rows_dot(const uint8_t* w, float* dw, const int8_t* a, const float* dx, const float* sx, int64_t nb,
+              const int64_t* rows, int64_t n, float* y, int64_t N) {
+  auto sx_of = [&](int64_t row) { return B::HAS_MIN ? sx + row * nb : nullptr; };
   if (n == 1) {  // the scales read in the same pass
-    y[rows[0] * N] = row_dot<I, B>(w, nullptr, a + rows[0] * nb * QK8, dx + rows[0] * nb, nb);
+    y[rows[0] * N] = row_dot<I, B>(w, nullptr, a + rows[0] * nb * QK8, dx + rows[0] * nb, sx_of(rows[0]), nb);
     return;
   }
   row_scales<B>(w, nb, dw);
@@ -316,18 +385,19 @@ void rows_dot(const uint8_t* w, float* dw, const int8_t* a, const float* dx, int
 #ifdef __AVX2__
   if constexpr (I != Isa::Scalar) {
     if (n > 1) {
-      for (; i + 4 <= n; i += 4) row_dots<I, B, 4>(w, dw, a, dx, nb, rows + i, y, N);
+      for (; i + 4 <= n; i += 4) row_dots<I, B, 4>(w, dw, a, dx, sx, nb, rows + i, y, N);
       if (n - i == 3) {
-        row_dots<I, B, 3>(w, dw, a, dx, nb, rows + i, y, N);
+        row_dots<I, B, 3>(w, dw, a, dx, sx, nb, rows + i, y, N);
         i += 3;
       } else if (n - i == 2) {
-        row_dots<I, B, 2>(w, dw, a, dx, nb, rows + i, y, N);
+        row_dots<I, B, 2>(w, dw, a, dx, sx, nb, rows + i, y, N);
         i += 2;
       }
     }
   }
 #endif
-  for (; i < n; ++i) y[rows[i] * N] = row_dot<I, B>(w, dw, a + rows[i] * nb * QK8, dx + rows[i] * nb, nb);
+  for (; i < n; ++i)
+    y[rows[i] * N] = row_dot<I, B>(w, dw, a + rows[i] * nb * QK8, dx + rows[i] * nb, sx_of(rows[i]), nb);
 }
 
 #ifdef HYBRIDKV_VNNI
@@ -346,11 +416,12 @@ inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
 // by signed bytes: the activation codes are shifted to x + 128 (`au`, unsigned) and 128·Σw, the same
 // for every activation row, is taken off, so each block sum is the exact integer Σ x·w. Then one
 // float multiply-add per block scales the 8 sums by d_w (a vector) · d_x.
-// w: 8 rows of row_bytes; dw8 [nb][8] their scales; rows[0..n) activation rows (R <= 8 at a time);
-// y[rows[r]·N + 0..8) receives the 8 results.
+// w: 8 rows of row_bytes; dw8 [nb][8] their scales (dm8: their mins, for the types with one; sx the
+// activation blocks' d·Σq); rows[0..n) activation rows (R <= 8 at a time); y[rows[r]·N + 0..8)
+// receives the 8 results.
 template <typename B, int M>
-void rows8_dot_m(const uint8_t* w, int64_t row_bytes, const float* dw8, const uint8_t* au, const float* dx, int64_t nb,
-                 const int64_t* rows, float* y, int64_t N) {
+void rows8_dot_m(const uint8_t* w, int64_t row_bytes, const float* dw8, const float* dm8, const uint8_t* au,
+                 const float* dx, const float* sx, int64_t nb, const int64_t* rows, float* y, int64_t N) {
   const __m256i ones = _mm256_set1_epi8(1);
   __m256 acc[M];
   for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
@@ -389,25 +460,27 @@ void rows8_dot_m(const uint8_t* w, int64_t row_bytes, const float* dw8, const ui
       const __m256i sums = _mm256_sub_epi32(_mm256_add_epi32(s0, s1), offset);
       const __m256 scale = _mm256_mul_ps(dw, _mm256_broadcast_ss(dx + rows[r] * nb + b));
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r]);
+      if constexpr (B::HAS_MIN)
+        acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(dm8 + b * 8), _mm256_broadcast_ss(sx + rows[r] * nb + b), acc[r]);
     }
   }
   for (int r = 0; r < M; ++r) _mm256_storeu_ps(y + rows[r] * N, acc[r]);
 }
 
 template <typename B>
-void rows8_dot(const uint8_t* w, int64_t row_bytes, const float* dw8, const uint8_t* au, const float* dx, int64_t nb,
-               const int64_t* rows, int64_t n, float* y, int64_t N) {
+void rows8_dot(const uint8_t* w, int64_t row_bytes, const float* dw8, const float* dm8, const uint8_t* au,
+               const float* dx, const float* sx, int64_t nb, const int64_t* rows, int64_t n, float* y, int64_t N) {
   for (int64_t r0 = 0; r0 < n; r0 += 8) {
     const int64_t* rs = rows + r0;
     switch (std::min<int64_t>(n - r0, 8)) {
-      case 8: rows8_dot_m<B, 8>(w, row_bytes, dw8, au, dx, nb, rs, y, N); break;
-      case 7: rows8_dot_m<B, 7>(w, row_bytes, dw8, au, dx, nb, rs, y, N); break;
-      case 6: rows8_dot_m<B, 6>(w, row_bytes, dw8, au, dx, nb, rs, y, N); break;
-      case 5: rows8_dot_m<B, 5>(w, row_bytes, dw8, au, dx, nb, rs, y, N); break;
-      case 4: rows8_dot_m<B, 4>(w, row_bytes, dw8, au, dx, nb, rs, y, N); break;
-      case 3: rows8_dot_m<B, 3>(w, row_bytes, dw8, au, dx, nb, rs, y, N); break;
-      case 2: rows8_dot_m<B, 2>(w, row_bytes, dw8, au, dx, nb, rs, y, N); break;
-      default: rows8_dot_m<B, 1>(w, row_bytes, dw8, au, dx, nb, rs, y, N); break;
+      case 8: rows8_dot_m<B, 8>(w, row_bytes, dw8, dm8, au, dx, sx, nb, rs, y, N); break;
+      case 7: rows8_dot_m<B, 7>(w, row_bytes, dw8, dm8, au, dx, sx, nb, rs, y, N); break;
+      case 6: rows8_dot_m<B, 6>(w, row_bytes, dw8, dm8, au, dx, sx, nb, rs, y, N); break;
+      case 5: rows8_dot_m<B, 5>(w, row_bytes, dw8, dm8, au, dx, sx, nb, rs, y, N); break;
+      case 4: rows8_dot_m<B, 4>(w, row_bytes, dw8, dm8, au, dx, sx, nb, rs, y, N); break;
+      case 3: rows8_dot_m<B, 3>(w, row_bytes, dw8, dm8, au, dx, sx, nb, rs, y, N); break;
+      case 2: rows8_dot_m<B, 2>(w, row_bytes, dw8, dm8, au, dx, sx, nb, rs, y, N); break;
+      default: rows8_dot_m<B, 1>(w, row_bytes, dw8, dm8, au, dx, sx, nb, rs, y, N); break;
     }
   }
 }
@@ -421,8 +494,11 @@ auto visit_block(int64_t id, F&& f) {
     case Q4_0Block::ID: return f(Q4_0Block{});
     case Q5_0Block::ID: return f(Q5_0Block{});
     case IQ4_NLBlock::ID: return f(IQ4_NLBlock{});
+    case Q4_1Block::ID: return f(Q4_1Block{});
+    case Q5_1Block::ID: return f(Q5_1Block{});
   }
-  TORCH_CHECK(false, "ggml type ", id, " has no 8-bit-activation kernel here (Q8_0 8, Q4_0 2, Q5_0 6, IQ4_NL 20)");
+  TORCH_CHECK(false, "ggml type ", id,
+              " has no 8-bit-activation kernel here (Q8_0 8, Q4_0 2, Q5_0 6, IQ4_NL 20, Q4_1 3, Q5_1 7)");
 }
 
 // f(Block{}, integral_constant<Isa>) for the block type `id` and the code path `isa`.
@@ -470,6 +546,23 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_q8(const at::Tensor& x_in) {
   return {q, d};
 }
 
+// For the types with a min: each activation block's d·Σq [T, nb] (llama.cpp's Q8_1 `s`, in float32
+// from the exact integer sum); empty for the others.
+template <typename B>
+std::vector<float> block_sums_of(const at::Tensor& q, const at::Tensor& d) {
+  if constexpr (!B::HAS_MIN) return {};
+  const int64_t blocks = d.numel();
+  std::vector<float> sx(blocks);
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* dp = d.data_ptr<float>();
+  for (int64_t i = 0; i < blocks; ++i) {
+    int32_t sum = 0;
+    for (int j = 0; j < QK8; ++j) sum += qp[i * QK8 + j];
+    sx[i] = static_cast<float>(sum) * dp[i];
+  }
+  return sx;
+}
+
 template <Isa I, typename B>
 void block_sums_impl(const int8_t* a, int64_t T, const uint8_t* w, int64_t N, int64_t nb, int32_t* out) {
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
@@ -500,8 +593,8 @@ constexpr int64_t ROWS8_FROM = 4;
 
 // `matmul_impl` by `rows8_dot`: threads split W's rows in groups of 8 (the last N % 8 rows one by one).
 template <typename B>
-void matmul_rows8(const int8_t* a, const float* dx, int64_t T, const uint8_t* w, int64_t N, int64_t nb, float* y,
-                  const int64_t* all_rows) {
+void matmul_rows8(const int8_t* a, const float* dx, const float* sx, int64_t T, const uint8_t* w, int64_t N,
+                  int64_t nb, float* y, const int64_t* all_rows) {
   // Many activation rows (prefill) are taken TILE_T at a time against GROUPS groups of weight rows,
   // so both stay in L2: the weights are read from memory once, the activations once per GROUPS groups.
   constexpr int64_t GROUPS = 8, TILE_T = 64;
@@ -509,7 +602,7 @@ void matmul_rows8(const int8_t* a, const float* dx, int64_t T, const uint8_t* w,
   std::vector<uint8_t> au(T * nb * QK8);
   for (size_t i = 0; i < au.size(); ++i) au[i] = static_cast<uint8_t>(a[i]) ^ 0x80;  // x + 128
   at::parallel_for(0, (groups + GROUPS - 1) / GROUPS, 1, [&](int64_t c0, int64_t c1) {
-    std::vector<float> dw8(GROUPS * nb * 8);
+    std::vector<float> dw8(GROUPS * nb * 8), dm8(B::HAS_MIN ? GROUPS * nb * 8 : 0);
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t g0 = c * GROUPS, g1 = std::min(groups, g0 + GROUPS);
       for (int64_t u = g0; u < g1; ++u) {
@@ -517,6 +610,11 @@ void matmul_rows8(const int8_t* a, const float* dx, int64_t T, const uint8_t* w,
         float* d = dw8.data() + (u - g0) * nb * 8;
         for (int64_t b = 0; b < nb; ++b)
           for (int i = 0; i < 8; ++i) d[b * 8 + i] = fp16(wr + i * row_bytes + b * B::BYTES);
+        if constexpr (B::HAS_MIN) {
+          float* m = dm8.data() + (u - g0) * nb * 8;
+          for (int64_t b = 0; b < nb; ++b)
+            for (int i = 0; i < 8; ++i) m[b * 8 + i] = fp16(wr + i * row_bytes + b * B::BYTES + 2);
+        }
       }
       for (int64_t t0 = 0; t0 < T; t0 += TILE_T) {
         for (int64_t u = g0; u < g1; ++u) {
@@ -525,15 +623,16 @@ void matmul_rows8(const int8_t* a, const float* dx, int64_t T, const uint8_t* w,
           if (t0 == 0 && u + 1 < groups)
             for (int64_t at = 0; at < 8 * row_bytes; at += 64)
               _mm_prefetch(reinterpret_cast<const char*>(wr + 8 * row_bytes + at), _MM_HINT_T0);
-          rows8_dot<B>(wr, row_bytes, dw8.data() + (u - g0) * nb * 8, au.data(), dx, nb, all_rows + t0,
-                       std::min(TILE_T, T - t0), y + u * 8, N);
+          rows8_dot<B>(wr, row_bytes, dw8.data() + (u - g0) * nb * 8, dm8.data() + (B::HAS_MIN ? (u - g0) * nb * 8 : 0),
+                       au.data(), dx, sx, nb, all_rows + t0, std::min(TILE_T, T - t0), y + u * 8, N);
         }
       }
     }
   });
   at::parallel_for(groups * 8, N, 1, [&](int64_t n0, int64_t n1) {  // the last N % 8 rows one by one
     std::vector<float> dw(nb);
-    for (int64_t n = n0; n < n1; ++n) rows_dot<Isa::Vnni, B>(w + n * row_bytes, dw.data(), a, dx, nb, all_rows, T, y + n, N);
+    for (int64_t n = n0; n < n1; ++n)
+      rows_dot<Isa::Vnni, B>(w + n * row_bytes, dw.data(), a, dx, sx, nb, all_rows, T, y + n, N);
   });
 }
 #endif
@@ -541,12 +640,13 @@ void matmul_rows8(const int8_t* a, const float* dx, int64_t T, const uint8_t* w,
 // y [T, N] = x @ W.T: threads split W's rows; each weight row is read once from memory and its
 // f16 scales widened once, then dotted with every activation row while it sits in L1.
 template <Isa I, typename B>
-void matmul_impl(const int8_t* a, const float* dx, int64_t T, const uint8_t* w, int64_t N, int64_t nb, float* y) {
+void matmul_impl(const int8_t* a, const float* dx, const float* sx, int64_t T, const uint8_t* w, int64_t N, int64_t nb,
+                 float* y) {
   std::vector<int64_t> all_rows(T);
   for (int64_t t = 0; t < T; ++t) all_rows[t] = t;
 #ifdef HYBRIDKV_VNNI
   if constexpr (I == Isa::Vnni) {
-    if (T >= ROWS8_FROM && N >= 8) return matmul_rows8<B>(a, dx, T, w, N, nb, y, all_rows.data());
+    if (T >= ROWS8_FROM && N >= 8) return matmul_rows8<B>(a, dx, sx, T, w, N, nb, y, all_rows.data());
   }
 #endif
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
@@ -558,7 +658,7 @@ void matmul_impl(const int8_t* a, const float* dx, int64_t T, const uint8_t* w, 
       for (int64_t at = 0; at < nb * B::BYTES; at += 64)
         _mm_prefetch(reinterpret_cast<const char*>(wr + 4096 + at), _MM_HINT_T0);
 #endif
-      rows_dot<I, B>(wr, dw.data(), a, dx, nb, all_rows.data(), T, y + n, N);
+      rows_dot<I, B>(wr, dw.data(), a, dx, sx, nb, all_rows.data(), T, y + n, N);
     }
   });
 }
@@ -569,8 +669,10 @@ at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type
   const auto [q, d] = quantize_rows_q8(x);
   at::Tensor y = at::empty({T, N}, x.options().dtype(at::kFloat));
   dispatch(ggml_type, isa, [&](auto block, auto path) {
-    matmul_impl<decltype(path)::value, decltype(block)>(q.data_ptr<int8_t>(), d.data_ptr<float>(), T,
-                                                        w.data_ptr<uint8_t>(), N, nb, y.data_ptr<float>());
+    using B = decltype(block);
+    const std::vector<float> sx = block_sums_of<B>(q, d);
+    matmul_impl<decltype(path)::value, B>(q.data_ptr<int8_t>(), d.data_ptr<float>(), sx.data(), T,
+                                          w.data_ptr<uint8_t>(), N, nb, y.data_ptr<float>());
   });
   return y;
 }
@@ -579,8 +681,8 @@ at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type
 // projection for every (token, expert) pair). The pairs are grouped by expert and threads split
 // each expert's rows: a row is read once for all the tokens routed to its expert.
 template <Isa I, typename B>
-void experts_impl(const int8_t* a, const float* dx, int64_t P, const uint8_t* w, const int64_t* ids, int64_t N,
-                  int64_t nb, float* y) {
+void experts_impl(const int8_t* a, const float* dx, const float* sx, int64_t P, const uint8_t* w, const int64_t* ids,
+                  int64_t N, int64_t nb, float* y) {
   const int64_t row_bytes = nb * B::BYTES;
   std::vector<int64_t> pairs, start;
   hybridkv::group_by_expert(ids, P, pairs, start);
@@ -590,7 +692,7 @@ void experts_impl(const int8_t* a, const float* dx, int64_t P, const uint8_t* w,
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t g = u / N, n = u % N;
       const uint8_t* wr = w + (ids[pairs[start[g]]] * N + n) * row_bytes;
-      rows_dot<I, B>(wr, dw.data(), a, dx, nb, pairs.data() + start[g], start[g + 1] - start[g], y + n, N);
+      rows_dot<I, B>(wr, dw.data(), a, dx, sx, nb, pairs.data() + start[g], start[g + 1] - start[g], y + n, N);
     }
   });
 }
@@ -608,8 +710,10 @@ at::Tensor q8_experts_matmul(const at::Tensor& x, const at::Tensor& w, const at:
   const auto [q, d] = quantize_rows_q8(x);
   at::Tensor y = at::empty({P, N}, x.options().dtype(at::kFloat));
   dispatch(ggml_type, isa, [&](auto block, auto path) {
-    experts_impl<decltype(path)::value, decltype(block)>(q.data_ptr<int8_t>(), d.data_ptr<float>(), P,
-                                                         w.data_ptr<uint8_t>(), idp, N, nb, y.data_ptr<float>());
+    using B = decltype(block);
+    const std::vector<float> sx = block_sums_of<B>(q, d);
+    experts_impl<decltype(path)::value, B>(q.data_ptr<int8_t>(), d.data_ptr<float>(), sx.data(), P,
+                                           w.data_ptr<uint8_t>(), idp, N, nb, y.data_ptr<float>());
   });
   return y;
 }

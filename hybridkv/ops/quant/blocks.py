@@ -94,10 +94,12 @@ def iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
     return _IQ4_NL_LEVELS.index_select(0, q).view(-1, 32).mul_(_f16(blocks, 0))
 
 
-def symmetric_codes(blocks: torch.Tensor, type_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blocks [B, bytes] of a symmetric 32-weight type (Q8_0 8, Q4_0 2, Q5_0 6, IQ4_NL 20) → their
-    signed codes int8 [B, 32] and scales d float32 [B], weight = d·code (what the 8-bit-activation
-    integer dot multiplies)."""
+def block_codes(blocks: torch.Tensor, type_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Blocks [B, bytes] of a 32-weight type → their codes int8 [B, 32], scales d float32 [B] and,
+    for the types with a min (Q4_1 3, Q5_1 7), the mins m float32 [B]: weight = d·code (+ m). The
+    symmetric types (Q8_0 8, Q4_0 2, Q5_0 6, IQ4_NL 20) have signed codes and no min (None); these
+    are what the 8-bit-activation integer dot multiplies."""
+    m = None
     if type_id == 8:
         q = blocks[:, 2:].contiguous().view(torch.int8)
     elif type_id == 2:
@@ -106,9 +108,14 @@ def symmetric_codes(blocks: torch.Tensor, type_id: int) -> tuple[torch.Tensor, t
         q = ((_nibbles(blocks[:, 6:]) | (_bits32(blocks[:, 2:6]) << 4)).to(torch.int16) - 16).to(torch.int8)
     elif type_id == 20:
         q = _IQ4_NL_LEVELS.index_select(0, _nibbles(blocks[:, 2:]).reshape(-1).int()).view(-1, 32).to(torch.int8)
+    elif type_id == 3:
+        q, m = _nibbles(blocks[:, 4:]).to(torch.int8), _f16(blocks, 2).reshape(-1)
+    elif type_id == 7:
+        q = (_nibbles(blocks[:, 8:]) | (_bits32(blocks[:, 4:8]) << 4)).to(torch.int8)
+        m = _f16(blocks, 2).reshape(-1)
     else:
-        raise ValueError(f"ggml type {type_id} is not a symmetric 32-weight type (Q8_0, Q4_0, Q5_0, IQ4_NL)")
-    return q, _f16(blocks, 0).reshape(-1)
+        raise ValueError(f"ggml type {type_id} is not a 32-weight type (Q8_0, Q4_0, Q5_0, IQ4_NL, Q4_1, Q5_1)")
+    return q, _f16(blocks, 0).reshape(-1), m
 
 
 def k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

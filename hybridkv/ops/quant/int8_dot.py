@@ -1,16 +1,18 @@
-"""llama.cpp's decode scheme for the symmetric 32-weight types — Q8_0, and Q5_0, Q4_0, IQ4_NL (the
-fallbacks llama.cpp writes for rows that are not a multiple of 256), whose vec_dot type is Q8_0:
-integer dot products on 8-bit activation blocks.
+"""llama.cpp's decode scheme for the 32-weight types — Q8_0, and Q5_0, Q4_0, IQ4_NL (the fallbacks
+llama.cpp writes for rows that are not a multiple of 256), whose vec_dot type is Q8_0, and Q4_1, Q5_1
+(blocks with a min, vec_dot type Q8_1): integer dot products on 8-bit activation blocks.
 
 Each activation row is quantized once into blocks of 32 (`quantize_rows_q8`); a weight block and
 an activation block then meet as one exact integer dot product (the block sum), scaled by one float
-multiply, d_w·d_x. Here is the readable PyTorch twin — the NumPy-emulation-style reference that
-the C++ kernel (`csrc/quant.cpp`) matches: the same activation blocks bit for bit, the same
-integer block sums exactly, and the float result up to summation order.
+multiply, d_w·d_x. A block with a min m (weight = d·code + m) adds m·(d_x·Σq_x), each activation
+block's code sum being what llama.cpp's Q8_1 blocks carry. Here is the readable PyTorch twin — the
+NumPy-emulation-style reference that the C++ kernel (`csrc/quant.cpp`) matches: the same activation
+blocks bit for bit, the same integer block sums exactly, and the float result up to summation order.
 
 Shapes: x [T, K] float32 (K = in features, a multiple of 32); W rows uint8 [N, K/32·bytes] (N =
 out features), each a run of blocks (f16 d, then the codes: Q8_0 i8 q[32]; Q4_0 nibbles − 8; Q5_0
-five bits − 16; IQ4_NL a level per nibble; `blocks.symmetric_codes`); nb = K/32 blocks per row.
+five bits − 16; IQ4_NL a level per nibble; Q4_1 and Q5_1 unsigned, after d and m;
+`blocks.block_codes`); nb = K/32 blocks per row.
 """
 
 from __future__ import annotations
@@ -31,10 +33,12 @@ ISAS = ("vnni", "avx2", "scalar")  # the C++ kernel's code paths, fastest first
 
 
 class Q8Rows(NamedTuple):
-    """Activation rows in 8-bit blocks: q int8 [T, K], d float32 [T, nb]; x ≈ d·q per block."""
+    """Rows in 8-bit blocks: q int8 [T, K], d float32 [T, nb]; x ≈ d·q per block (+ m [T, nb] for
+    weights of a type with a min)."""
 
     q: torch.Tensor
     d: torch.Tensor
+    m: torch.Tensor | None = None
 
 
 def quantize_rows_q8(x: torch.Tensor) -> Q8Rows:
@@ -49,12 +53,13 @@ def quantize_rows_q8(x: torch.Tensor) -> Q8Rows:
 
 
 def split_rows(rows: torch.Tensor, ggml_id: int = Q8_0) -> Q8Rows:
-    """Weight rows uint8 [N, nb·bytes] of a symmetric 32-weight type → codes int8 [N, K], d float32 [N, nb]."""
+    """Weight rows uint8 [N, nb·bytes] of a 32-weight type → codes int8 [N, K], d float32 [N, nb]
+    (and m float32 [N, nb] for Q4_1, Q5_1)."""
     from hybridkv.ops.quant.traits import block_type  # (traits imports this module)
 
     N = rows.shape[0]
-    q, d = blocks.symmetric_codes(rows.reshape(-1, block_type(ggml_id).block_bytes), ggml_id)
-    return Q8Rows(q.reshape(N, -1), d.reshape(N, -1))
+    q, d, m = blocks.block_codes(rows.reshape(-1, block_type(ggml_id).block_bytes), ggml_id)
+    return Q8Rows(q.reshape(N, -1), d.reshape(N, -1), None if m is None else m.reshape(N, -1))
 
 
 def block_sums(x: Q8Rows, w: Q8Rows) -> torch.Tensor:
@@ -71,13 +76,17 @@ def q8_matmul_twin(x: torch.Tensor, rows: torch.Tensor, ggml_id: int = Q8_0) -> 
     """x [T, K] @ W.T → [T, N] float32: Σ over blocks of block_sum·(d_w·d_x), the integer path's
     reference (runs N in chunks, so the [T, N, nb] sums stay small)."""
     xq = quantize_rows_q8(x)
-    N = rows.shape[0]
+    T, N = x.shape[0], rows.shape[0]
+    sx = xq.q.float().reshape(T, -1, QK8).sum(-1) * xq.d  # d_x·Σq_x [T, nb]: exact integer sums
     step = max(1, (1 << 20) // max(1, xq.d.numel()))
     out = []
     for n in range(0, N, step):
         w = split_rows(rows[n : n + step], ggml_id)
         scale = w.d[None, :, :] * xq.d[:, None, :]  # [T, n, nb]
-        out.append((block_sums(xq, w).float() * scale).sum(-1))
+        y = block_sums(xq, w).float() * scale
+        if w.m is not None:
+            y += w.m[None, :, :] * sx[:, None, :]
+        out.append(y.sum(-1))
     return torch.cat(out, dim=1) if out else torch.zeros(x.shape[0], 0)
 
 
@@ -125,7 +134,7 @@ def kernel_or_twin(kernel: Callable[..., torch.Tensor], twin: Callable[..., torc
 
 
 def q8_matmul(ggml_id: int) -> MatmulFn:
-    """The traits table's product for a symmetric 32-weight type (Q8_0, Q4_0, Q5_0, IQ4_NL)."""
+    """The traits table's product for a 32-weight type (Q8_0, Q4_0, Q5_0, IQ4_NL, Q4_1, Q5_1)."""
     return kernel_or_twin(native_q8_matmul, q8_matmul_twin, ggml_id)
 
 
