@@ -152,6 +152,8 @@ class CachedModel:
         tokens are provisional until `accept` says how many to keep. Raises ValueError (bad
         input) or CacheFull with nothing changed.
         """
+        if not isinstance(tokens, Mapping):
+            raise ValueError(f"feed takes {{sequence: [token ids]}}, got {type(tokens).__name__}: {tokens!r:.80}")
         modes = {seq: logits for seq in tokens} if isinstance(logits, str) else dict(logits)
         for mode in modes.values():
             if mode not in ("all", "last", "none"):

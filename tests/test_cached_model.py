@@ -135,6 +135,8 @@ def test_bad_input_is_a_value_error_that_changes_nothing(checkpoint: Path) -> No
             cm.feed(bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         cm.feed({s: [1]}, logits="some")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"feed takes \{sequence: \[token ids\]\}, got int"):
+        cm.feed(s, [4])  # type: ignore[arg-type]
     for p in (-1, 4):
         with pytest.raises(ValueError):
             cm.truncate(s, p)

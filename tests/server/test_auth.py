@@ -177,12 +177,16 @@ def test_one_keys_flood_gets_429_while_another_key_passes(model_dir: Path) -> No
     long = {"model": MODEL, "prompt": "busy", "max_tokens": 900, "ignore_eos": True, "temperature": 0, "stream": True}
     try:
         with httpx.Client(base_url=served.url, timeout=30, headers=_bearer(KEY)) as http, contextlib.ExitStack() as s:
-            for _ in range(3):  # one runs, two wait
+            for queued in range(3):  # one runs, two wait
                 assert s.enter_context(http.stream("POST", "/v1/completions", json=long)).status_code == 200
-            deadline = time.monotonic() + 5
-            while served.metrics()["hybridkv_requests_waiting"] < 2:
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
+                # Each request waits until the one before it is where it should be (the first
+                # running), so a slow engine start cannot leave three waiting at once.
+                deadline = time.monotonic() + 5
+                metrics = served.metrics()
+                while metrics["hybridkv_requests_running"] < 1 or metrics["hybridkv_requests_waiting"] < queued:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+                    metrics = served.metrics()
             flooder = served.openai()
             with pytest.raises(openai.RateLimitError) as refused:
                 flooder.completions.create(model=MODEL, prompt="more", max_tokens=2)
