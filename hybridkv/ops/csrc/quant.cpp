@@ -413,16 +413,18 @@ inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
 // file): a block of each of the 8 rows is unpacked and transposed so that vector j holds bytes
 // 4j..4j+3 of every row, then each activation row's 4-byte groups are broadcast against them —
 // 8 dot instructions give the 8 rows' block sums with no horizontal add. dpbusd multiplies unsigned
-// by signed bytes: the activation codes are shifted to x + 128 (`au`, unsigned) and 128·Σw, the same
-// for every activation row, is taken off, so each block sum is the exact integer Σ x·w. Then one
-// float multiply-add per block scales the 8 sums by d_w (a vector) · d_x.
+// by signed bytes: the weight codes are shifted to w + 128 (one xor, unsigned) and 128·Σx, the same
+// for the 8 weight rows (`xsum128`, once per activation block), is taken off, so each block sum is
+// the exact integer Σ x·w. Then one float multiply-add per block scales the 8 sums by d_w (a
+// vector) · d_x.
 // w: 8 rows of row_bytes; dw8 [nb][8] their scales (dm8: their mins, for the types with one; sx the
 // activation blocks' d·Σq); rows[0..n) activation rows (R <= 8 at a time); y[rows[r]·N + 0..8)
 // receives the 8 results.
 template <typename B, int M>
-void rows8_dot_m(const uint8_t* w, int64_t row_bytes, const float* dw8, const float* dm8, const uint8_t* au,
-                 const float* dx, const float* sx, int64_t nb, const int64_t* rows, float* y, int64_t N) {
-  const __m256i ones = _mm256_set1_epi8(1);
+void rows8_dot_m(const uint8_t* w, int64_t row_bytes, const float* dw8, const float* dm8, const int8_t* a,
+                 const int32_t* xsum128, const float* dx, const float* sx, int64_t nb, const int64_t* rows, float* y,
+                 int64_t N) {
+  const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
   __m256 acc[M];
   for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -445,18 +447,17 @@ void rows8_dot_m(const uint8_t* w, int64_t row_bytes, const float* dw8, const fl
     t[5] = _mm256_permute2x128_si256(b1, b5, 0x31);
     t[6] = _mm256_permute2x128_si256(b2, b6, 0x31);
     t[7] = _mm256_permute2x128_si256(b3, b7, 0x31);
-    __m256i wsum = _mm256_setzero_si256();
-    for (int j = 0; j < 8; ++j) wsum = dpbusd(wsum, ones, t[j]);
-    const __m256i offset = _mm256_slli_epi32(wsum, 7);  // 128·Σw per row
+    for (int j = 0; j < 8; ++j) t[j] = _mm256_xor_si256(t[j], bias);  // w + 128, unsigned
     const __m256 dw = _mm256_loadu_ps(dw8 + b * 8);
     for (int r = 0; r < M; ++r) {
       // A 4-byte group broadcast straight from memory (a load, not a move through a register).
-      const float* x = reinterpret_cast<const float*>(au + (rows[r] * nb + b) * QK8);
+      const float* x = reinterpret_cast<const float*>(a + (rows[r] * nb + b) * QK8);
       __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
       for (int j = 0; j < 8; j += 2) {
-        s0 = dpbusd(s0, _mm256_castps_si256(_mm256_broadcast_ss(x + j)), t[j]);
-        s1 = dpbusd(s1, _mm256_castps_si256(_mm256_broadcast_ss(x + j + 1)), t[j + 1]);
+        s0 = dpbusd(s0, t[j], _mm256_castps_si256(_mm256_broadcast_ss(x + j)));
+        s1 = dpbusd(s1, t[j + 1], _mm256_castps_si256(_mm256_broadcast_ss(x + j + 1)));
       }
+      const __m256i offset = _mm256_set1_epi32(xsum128[rows[r] * nb + b]);
       const __m256i sums = _mm256_sub_epi32(_mm256_add_epi32(s0, s1), offset);
       const __m256 scale = _mm256_mul_ps(dw, _mm256_broadcast_ss(dx + rows[r] * nb + b));
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r]);
@@ -468,19 +469,20 @@ void rows8_dot_m(const uint8_t* w, int64_t row_bytes, const float* dw8, const fl
 }
 
 template <typename B>
-void rows8_dot(const uint8_t* w, int64_t row_bytes, const float* dw8, const float* dm8, const uint8_t* au,
-               const float* dx, const float* sx, int64_t nb, const int64_t* rows, int64_t n, float* y, int64_t N) {
+void rows8_dot(const uint8_t* w, int64_t row_bytes, const float* dw8, const float* dm8, const int8_t* a,
+               const int32_t* xsum128, const float* dx, const float* sx, int64_t nb, const int64_t* rows, int64_t n,
+               float* y, int64_t N) {
   for (int64_t r0 = 0; r0 < n; r0 += 8) {
     const int64_t* rs = rows + r0;
     switch (std::min<int64_t>(n - r0, 8)) {
-      case 8: rows8_dot_m<B, 8>(w, row_bytes, dw8, dm8, au, dx, sx, nb, rs, y, N); break;
-      case 7: rows8_dot_m<B, 7>(w, row_bytes, dw8, dm8, au, dx, sx, nb, rs, y, N); break;
-      case 6: rows8_dot_m<B, 6>(w, row_bytes, dw8, dm8, au, dx, sx, nb, rs, y, N); break;
-      case 5: rows8_dot_m<B, 5>(w, row_bytes, dw8, dm8, au, dx, sx, nb, rs, y, N); break;
-      case 4: rows8_dot_m<B, 4>(w, row_bytes, dw8, dm8, au, dx, sx, nb, rs, y, N); break;
-      case 3: rows8_dot_m<B, 3>(w, row_bytes, dw8, dm8, au, dx, sx, nb, rs, y, N); break;
-      case 2: rows8_dot_m<B, 2>(w, row_bytes, dw8, dm8, au, dx, sx, nb, rs, y, N); break;
-      default: rows8_dot_m<B, 1>(w, row_bytes, dw8, dm8, au, dx, sx, nb, rs, y, N); break;
+      case 8: rows8_dot_m<B, 8>(w, row_bytes, dw8, dm8, a, xsum128, dx, sx, nb, rs, y, N); break;
+      case 7: rows8_dot_m<B, 7>(w, row_bytes, dw8, dm8, a, xsum128, dx, sx, nb, rs, y, N); break;
+      case 6: rows8_dot_m<B, 6>(w, row_bytes, dw8, dm8, a, xsum128, dx, sx, nb, rs, y, N); break;
+      case 5: rows8_dot_m<B, 5>(w, row_bytes, dw8, dm8, a, xsum128, dx, sx, nb, rs, y, N); break;
+      case 4: rows8_dot_m<B, 4>(w, row_bytes, dw8, dm8, a, xsum128, dx, sx, nb, rs, y, N); break;
+      case 3: rows8_dot_m<B, 3>(w, row_bytes, dw8, dm8, a, xsum128, dx, sx, nb, rs, y, N); break;
+      case 2: rows8_dot_m<B, 2>(w, row_bytes, dw8, dm8, a, xsum128, dx, sx, nb, rs, y, N); break;
+      default: rows8_dot_m<B, 1>(w, row_bytes, dw8, dm8, a, xsum128, dx, sx, nb, rs, y, N); break;
     }
   }
 }
@@ -599,8 +601,12 @@ void matmul_rows8(const int8_t* a, const float* dx, const float* sx, int64_t T, 
   // so both stay in L2: the weights are read from memory once, the activations once per GROUPS groups.
   constexpr int64_t GROUPS = 8, TILE_T = 64;
   const int64_t row_bytes = nb * B::BYTES, groups = N / 8;
-  std::vector<uint8_t> au(T * nb * QK8);
-  for (size_t i = 0; i < au.size(); ++i) au[i] = static_cast<uint8_t>(a[i]) ^ 0x80;  // x + 128
+  std::vector<int32_t> xsum128(T * nb);  // 128·Σq of each activation block
+  for (int64_t i = 0; i < T * nb; ++i) {
+    int32_t sum = 0;
+    for (int j = 0; j < QK8; ++j) sum += a[i * QK8 + j];
+    xsum128[i] = 128 * sum;
+  }
   at::parallel_for(0, (groups + GROUPS - 1) / GROUPS, 1, [&](int64_t c0, int64_t c1) {
     std::vector<float> dw8(GROUPS * nb * 8), dm8(B::HAS_MIN ? GROUPS * nb * 8 : 0);
     for (int64_t c = c0; c < c1; ++c) {
@@ -624,7 +630,7 @@ void matmul_rows8(const int8_t* a, const float* dx, const float* sx, int64_t T, 
             for (int64_t at = 0; at < 8 * row_bytes; at += 64)
               _mm_prefetch(reinterpret_cast<const char*>(wr + 8 * row_bytes + at), _MM_HINT_T0);
           rows8_dot<B>(wr, row_bytes, dw8.data() + (u - g0) * nb * 8, dm8.data() + (B::HAS_MIN ? (u - g0) * nb * 8 : 0),
-                       au.data(), dx, sx, nb, all_rows + t0, std::min(TILE_T, T - t0), y + u * 8, N);
+                       a, xsum128.data(), dx, sx, nb, all_rows + t0, std::min(TILE_T, T - t0), y + u * 8, N);
         }
       }
     }
