@@ -221,6 +221,28 @@ inline __m256i block_dot(const uint8_t* blk, const int8_t* a) {
   return signed_dot<I>(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
 }
 
+#ifdef HYBRIDKV_ZMM
+// Two consecutive blocks' codes in one 512-bit vector (the first in the low half).
+template <typename B>
+inline __m512i pair_codes(const uint8_t* blk) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(unpack<B>(blk)), unpack<B>(blk + B::BYTES), 1);
+}
+
+// A block pair's 16 int32 sums (w_abs = |w|, neg: w's sign bits; x·sign(w) against |w|, |-128|
+// read as unsigned 128, as `signed_dot`).
+inline __m512i pair_dot(__m512i w_abs, __mmask64 neg, const int8_t* a) {
+  const __m512i x = _mm512_loadu_si512(a);
+  return _mm512_dpbusd_epi32(_mm512_setzero_si512(), w_abs, _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x));
+}
+
+// The scales of 8 blocks (lanes 0-7 of scale8) spread over block pair p's lanes: block 2p's over
+// lanes 0-7, block 2p + 1's over lanes 8-15.
+inline __m512 pair_scale(__m512 scale8, int p) {
+  const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_permutexvar_ps(_mm512_add_epi32(idx, _mm512_set1_epi32(2 * p)), scale8);
+}
+#endif
+
 // Activation rows rows[0..R) (of nb blocks each, at a and dx; sx: their blocks' d·Σq for the types
 // with a min) against one weight row → out[rows[r]·N]: each block unpacked once and met by every
 // row, its 8 int32 lanes scaled into a float accumulator per row (llama.cpp's order), summed at the end.
@@ -228,7 +250,7 @@ template <Isa I, typename B, int R>
 void row_dots(const uint8_t* w, const float* dw, const int8_t* a, const float* dx, const float* sx, int64_t nb,
               const int64_t* rows, float* out, int64_t N) {
   __m256 acc[R];
-  float mins[R] = {};
+  float mins[R] = {}, wide[R] = {};
   const int8_t* ar[R];
   const float* dr[R];
   for (int r = 0; r < R; ++r) {
@@ -236,7 +258,34 @@ void row_dots(const uint8_t* w, const float* dw, const int8_t* a, const float* d
     ar[r] = a + rows[r] * nb * QK8;
     dr[r] = dx + rows[r] * nb;
   }
-  for (int64_t b = 0; b < nb; ++b) {
+  int64_t b = 0;
+#ifdef HYBRIDKV_ZMM
+  if constexpr (I == Isa::Vnni) {  // two blocks per 512-bit vector, 8 at a time, as `row_dot`
+    __m512 acc2[R];
+    for (int r = 0; r < R; ++r) acc2[r] = _mm512_setzero_ps();
+    for (; b + 8 <= nb; b += 8) {
+      __m512 scale[R];
+      for (int r = 0; r < R; ++r)
+        scale[r] = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_loadu_ps(dw + b), _mm256_loadu_ps(dr[r] + b)));
+      for (int p = 0; p < 4; ++p) {
+        const __m512i wq = pair_codes<B>(w + (b + 2 * p) * B::BYTES);
+        const __m512i w_abs = _mm512_abs_epi8(wq);
+        const __mmask64 neg = _mm512_movepi8_mask(wq);
+        for (int r = 0; r < R; ++r) {
+          const __m512i sums = pair_dot(w_abs, neg, ar[r] + (b + 2 * p) * QK8);
+          acc2[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), pair_scale(scale[r], p), acc2[r]);
+        }
+      }
+      if constexpr (B::HAS_MIN)
+        for (int64_t c = b; c < b + 8; ++c) {
+          const float m = fp16(w + c * B::BYTES + 2);
+          for (int r = 0; r < R; ++r) mins[r] += m * sx[rows[r] * nb + c];
+        }
+    }
+    for (int r = 0; r < R; ++r) wide[r] = _mm512_reduce_add_ps(acc2[r]);
+  }
+#endif
+  for (; b < nb; ++b) {
     const __m256i wq = unpack<B>(w + b * B::BYTES);
     const __m256i w_abs = _mm256_sign_epi8(wq, wq);
     for (int r = 0; r < R; ++r) {
@@ -249,7 +298,7 @@ void row_dots(const uint8_t* w, const float* dw, const int8_t* a, const float* d
       for (int r = 0; r < R; ++r) mins[r] += m * sx[rows[r] * nb + b];
     }
   }
-  for (int r = 0; r < R; ++r) out[rows[r] * N] = hsum_f32(acc[r]) + mins[r];
+  for (int r = 0; r < R; ++r) out[rows[r] * N] = hsum_f32(acc[r]) + wide[r] + mins[r];
 }
 
 inline int32_t hsum_i32(__m256i v) {
@@ -318,21 +367,13 @@ float row_dot(const uint8_t* w, const float* dw, const int8_t* a, const float* d
     // blocks' d_w·d_x (spread over the halves by one permute) into one accumulator.
     __m512 acc = _mm512_setzero_ps();
     __m256 mins = _mm256_setzero_ps();
-    const __m512i pair_idx[4] = {_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
-                                 _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2),
-                                 _mm512_set_epi32(5, 5, 5, 5, 5, 5, 5, 5, 4, 4, 4, 4, 4, 4, 4, 4),
-                                 _mm512_set_epi32(7, 7, 7, 7, 7, 7, 7, 7, 6, 6, 6, 6, 6, 6, 6, 6)};
     for (; b + 8 <= nb; b += 8) {
       const __m256 dw8 = dw ? _mm256_loadu_ps(dw + b) : halves8<B>(w + b * B::BYTES);
       const __m512 scale = _mm512_castps256_ps512(_mm256_mul_ps(dw8, _mm256_loadu_ps(dx + b)));
       for (int p = 0; p < 4; ++p) {
-        const uint8_t* blk = w + (b + 2 * p) * B::BYTES;
-        const __m512i wq = _mm512_inserti64x4(_mm512_castsi256_si512(unpack<B>(blk)), unpack<B>(blk + B::BYTES), 1);
-        const __m512i x = _mm512_loadu_si512(a + (b + 2 * p) * QK8);
-        // x·sign(w) against |w| (|-128| read as unsigned 128), as `signed_dot`.
-        const __m512i xs = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(wq), _mm512_setzero_si512(), x);
-        const __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(wq), xs);
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_permutexvar_ps(pair_idx[p], scale), acc);
+        const __m512i wq = pair_codes<B>(w + (b + 2 * p) * B::BYTES);
+        const __m512i sums = pair_dot(_mm512_abs_epi8(wq), _mm512_movepi8_mask(wq), a + (b + 2 * p) * QK8);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), pair_scale(scale, p), acc);
       }
       if constexpr (B::HAS_MIN) mins = _mm256_fmadd_ps(halves8<B>(w + b * B::BYTES, 2), _mm256_loadu_ps(sx + b), mins);
     }
