@@ -6,7 +6,7 @@
 // (f16 d, then its codes, read in place from the file's rows and unpacked to 32 int8 in registers)
 // and an activation block meet as one exact integer dot product, then one float multiply by d_w·d_x
 // (plus m_w·d_x·Σq_x for a block with a min). Three code paths give the same integer sums: AVX-512
-// VNNI or AVX-VNNI (`dpbusd`; one activation row on 512-bit vectors where the CPU has AVX-512, 4+
+// VNNI or AVX-VNNI (`dpbusd`; 1-3 activation rows on 512-bit vectors where the CPU has AVX-512, 4+
 // rows with the lanes being 8 weight rows), AVX2 (`maddubs` + `madd`), and a plain loop; `isa`
 // picks one, so the tests run each that this CPU has. Built with -march=native, so the VNNI path
 // exists only where the CPU has it.
