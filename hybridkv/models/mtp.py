@@ -55,6 +55,8 @@ checkpoints were trained on) or before it."""
 
 RopeFn = Callable[[torch.Tensor, torch.dtype], tuple[torch.Tensor, torch.Tensor]]
 HeadFn = Callable[[torch.Tensor], torch.Tensor]
+AttendFn = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor | None]]
+"""A draft step's attention: (fused rows x, step s) → (attention output, its gate or None if applied)."""
 
 
 class MTPBlock(nn.Module):
@@ -125,17 +127,50 @@ class MTPBlock(nn.Module):
         slots 1..L; step s + 1 feeds back step s's output with its argmax. Nothing is written.
         """
         N = tokens.shape[0]
-        if N <= FEW_ROWS and native.enabled(self.attn.q_norm.weight, self.attn.k_norm.weight):
-            return self._draft_native(tokens, view, steps, embed, rope, head)
-        k_cache, v_cache, visible = _gather_kv(view, self.kv_layer)
+        native_step = N <= FEW_ROWS and native.enabled(self.attn.q_norm.weight, self.attn.k_norm.weight)
+        attend = self._native_attention(view, steps, rope) if native_step else self._eager_attention(view, rope)
         hidden = view.hidden_carry()
-        new_k: list[torch.Tensor] = []
-        new_v: list[torch.Tensor] = []
         out = []
         for s in range(steps):
-            embeds = embed(tokens)
-            cos, sin = rope(view.kv_lens - 1 + s, embeds.dtype)
-            x = self.fuse(embeds, hidden)
+            x = self.fuse(embed(tokens), hidden)
+            o, gate = attend(x, s)
+            normed, raw = self.finish(x, o, gate)
+            logits = head(normed)
+            out.append(logits)
+            tokens = logits.argmax(-1)
+            hidden = normed if self.hidden == "post_norm" else raw
+        return torch.stack(out, 1)
+
+    def _native_attention(self, view: CacheView, steps: int, rope: RopeFn) -> AttendFn:
+        """Draft step s's attention on the C++ kernels: the main model's decode step
+        (`native.attention_decode`) over a private copy of the sequences' MTP K/V, into which the
+        draft rows are written (the cache is not touched); gated in the kernel (gate None)."""
+        attn, N = self.attn, view.kv_lens.shape[0]
+        k_rows, v_rows, tables, slots = _scratch_kv(view, self.kv_layer, steps)
+        lens = view.kv_lens  # draft s attends the history (slots 1..L-1) and drafts 0..s: L + s rows
+        positions = (view.kv_lens - 1)[:, None] + torch.arange(steps)  # [N, steps]
+        cos, sin = (t.view(N, steps, -1) for t in rope(positions.flatten(), torch.float32))
+
+        def attend(x: torch.Tensor, s: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+            qkv = linear(self.input_norm(x), attn.qkv_proj)
+            o = native.attention_decode(
+                qkv, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, cos[:, s], sin[:, s], (k_rows, v_rows),
+                slots + s, tables, lens + s, attn.scale, attn.H,
+            )  # fmt: skip
+            return o, None
+
+        return attend
+
+    def _eager_attention(self, view: CacheView, rope: RopeFn) -> AttendFn:
+        """Draft step s's attention in PyTorch (many sequences, or no kernels): SDPA over a gathered
+        copy of the cached MTP K/V and the draft rows so far; the gate is applied in `finish`."""
+        k_cache, v_cache, visible = _gather_kv(view, self.kv_layer)
+        N = visible.shape[0]
+        new_k: list[torch.Tensor] = []
+        new_v: list[torch.Tensor] = []
+
+        def attend(x: torch.Tensor, s: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+            cos, sin = rope(view.kv_lens - 1 + s, x.dtype)
             q, gate, k, v = self.qkv(x, cos, sin)
             new_k.append(k.float())
             new_v.append(v.float())
@@ -143,39 +178,9 @@ class MTPBlock(nn.Module):
             values = torch.cat([v_cache, torch.stack(new_v, 2)], 2)
             mask = torch.cat([visible, visible.new_ones(N, s + 1)], 1)[:, None, None, :]
             o = _attend(q.float()[:, :, None], keys, values, mask, self.attn.scale)  # [N, H, hd]
-            normed, raw = self.finish(x, o.to(x.dtype), gate)
-            logits = head(normed)
-            out.append(logits)
-            tokens = logits.argmax(-1)
-            hidden = normed if self.hidden == "post_norm" else raw
-        return torch.stack(out, 1)
+            return o.to(x.dtype), gate
 
-    def _draft_native(
-        self, tokens: torch.Tensor, view: CacheView, steps: int, embed: HeadFn, rope: RopeFn, head: HeadFn
-    ) -> torch.Tensor:
-        """`draft` on the C++ decode kernels: the attention of each step is the main model's decode
-        step (`native.attention_decode`) over a private copy of the sequences' MTP K/V, into which
-        the draft rows are written; the cache is not touched. About half the ops of the eager step."""
-        N, attn = tokens.shape[0], self.attn
-        k_rows, v_rows, tables, slots = _scratch_kv(view, self.kv_layer, steps)
-        lens = view.kv_lens  # draft s attends the history (slots 1..L-1) and drafts 0..s: L + s rows
-        positions = (view.kv_lens - 1)[:, None] + torch.arange(steps)  # [N, steps]
-        hidden = view.hidden_carry()
-        cos, sin = (t.view(N, steps, -1) for t in rope(positions.flatten(), torch.float32))
-        out = []
-        for s in range(steps):
-            x = self.fuse(embed(tokens), hidden)
-            qkv = linear(self.input_norm(x), attn.qkv_proj)
-            o = native.attention_decode(
-                qkv, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, cos[:, s], sin[:, s], (k_rows, v_rows),
-                slots + s, tables, lens + s, attn.scale, attn.H,
-            )  # fmt: skip
-            normed, raw = self.finish(x, o, None)
-            logits = head(normed)
-            out.append(logits)
-            tokens = logits.argmax(-1)
-            hidden = normed if self.hidden == "post_norm" else raw
-        return torch.stack(out, 1)
+        return attend
 
 
 def _scratch_kv(

@@ -6,8 +6,7 @@ experts, the embedding and the head; the norms, the Gated DeltaNet's small tenso
 norm) and the MoE router with its shared-expert gate stay float (llama.cpp keeps `ffn_gate_inp*`
 in F32). A projection whose rows do not split into whole blocks of the type (256 weights for the
 K-quants) falls back as llama.cpp's files do (Q4_K → Q5_0, Q6_K → Q8_0), so `--quantize q4_k`
-computes what `hybridkv quantize … q4_k` writes; a fallback without a kernel here takes Q8_0, and
-rows that are not a multiple of 32 stay float.
+computes what `hybridkv quantize … q4_k` writes; rows that are not a multiple of 32 stay float.
 """
 
 from __future__ import annotations
@@ -16,9 +15,9 @@ import torch
 
 from hybridkv.models.gguf_recipe import fallback
 from hybridkv.models.qwen3_next import DenseMLP, GatedAttention, GatedDeltaNet, Qwen3NextModel, SparseMoE
-from hybridkv.ops.quant import QuantizedWeight, block_type
+from hybridkv.ops.quant import QuantizedWeight
 from hybridkv.ops.quant.linear import Part, QuantExperts, QuantLinear
-from hybridkv.ops.quant.quantize import QUANTIZE_TYPES, fits, quantize
+from hybridkv.ops.quant.quantize import QUANTIZE_TYPES, quantize
 from hybridkv.ops.quant.traits import GGMLType
 
 
@@ -32,17 +31,11 @@ def quantize_type(name: str) -> GGMLType:
 
 def _blocks(w: torch.Tensor, type_id: GGMLType) -> Part:
     """A float weight [.., in, out] (our layout) → `QuantizedWeight` [.., out, in] in the type, or
-    in llama.cpp's fallback where rows do not fit it (Q8_0 if that has no kernel); float where
-    rows fit no block type."""
-    row = w.shape[-2]
-    if not fits(type_id, row):
-        fitted = fallback(type_id, row)
-        if fitted != GGMLType.F16 and block_type(fitted).matmul is not None:
-            type_id = fitted
-        elif fits(GGMLType.Q8_0, row):
-            type_id = GGMLType.Q8_0
-        else:
-            return w
+    in llama.cpp's fallback where rows do not fit it (every fallback type has a kernel); float where
+    rows fit no block type (the fallback is F16)."""
+    type_id = fallback(type_id, w.shape[-2])
+    if type_id == GGMLType.F16:
+        return w
     rows = w.detach().transpose(-1, -2)
     return QuantizedWeight.of(quantize(rows, type_id), type_id, tuple(rows.shape))
 

@@ -30,10 +30,7 @@
 #include <vector>
 
 #include "experts.h"
-
-#if defined(__AVX2__) && ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
-#define HYBRIDKV_VNNI 1
-#endif
+#include "simd.h"
 
 // The per-super-block functions run inside the row loops: a call would spill the vectors.
 #define ALWAYS_INLINE inline __attribute__((always_inline))
@@ -557,41 +554,9 @@ void rows_dot_unpacked(const uint8_t* w, int64_t nb, int64_t K, const int8_t* a,
 #endif
 
 #ifdef HYBRIDKV_VNNI
-inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(acc, u, s);
-#else
-  return _mm256_dpbusd_avx_epi32(acc, u, s);
-#endif
-}
-
-inline __m256i dpwssd(__m256i acc, __m256i a, __m256i b) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpwssd_epi32(acc, a, b);
-#else
-  return _mm256_dpwssd_avx_epi32(acc, a, b);
-#endif
-}
-
-// Transposes 8 vectors of 8 dwords in place: v[j] lane i = old v[i] lane j.
-inline void transpose8(__m256i* v) {
-  const __m256i a0 = _mm256_unpacklo_epi32(v[0], v[1]), a1 = _mm256_unpackhi_epi32(v[0], v[1]);
-  const __m256i a2 = _mm256_unpacklo_epi32(v[2], v[3]), a3 = _mm256_unpackhi_epi32(v[2], v[3]);
-  const __m256i a4 = _mm256_unpacklo_epi32(v[4], v[5]), a5 = _mm256_unpackhi_epi32(v[4], v[5]);
-  const __m256i a6 = _mm256_unpacklo_epi32(v[6], v[7]), a7 = _mm256_unpackhi_epi32(v[6], v[7]);
-  const __m256i b0 = _mm256_unpacklo_epi64(a0, a2), b1 = _mm256_unpackhi_epi64(a0, a2);
-  const __m256i b2 = _mm256_unpacklo_epi64(a1, a3), b3 = _mm256_unpackhi_epi64(a1, a3);
-  const __m256i b4 = _mm256_unpacklo_epi64(a4, a6), b5 = _mm256_unpackhi_epi64(a4, a6);
-  const __m256i b6 = _mm256_unpacklo_epi64(a5, a7), b7 = _mm256_unpackhi_epi64(a5, a7);
-  v[0] = _mm256_permute2x128_si256(b0, b4, 0x20);
-  v[1] = _mm256_permute2x128_si256(b1, b5, 0x20);
-  v[2] = _mm256_permute2x128_si256(b2, b6, 0x20);
-  v[3] = _mm256_permute2x128_si256(b3, b7, 0x20);
-  v[4] = _mm256_permute2x128_si256(b0, b4, 0x31);
-  v[5] = _mm256_permute2x128_si256(b1, b5, 0x31);
-  v[6] = _mm256_permute2x128_si256(b2, b6, 0x31);
-  v[7] = _mm256_permute2x128_si256(b3, b7, 0x31);
-}
+using hybridkv::dpbusd;
+using hybridkv::dpwssd;
+using hybridkv::transpose8;
 
 // Eight weight rows at once, lanes = weight rows (llama.cpp's repacked GEMM, without repacking the
 // file): each row's super-block is unpacked (`unpack`: codes in activation order, a scale per 16

@@ -27,10 +27,8 @@
 #include <vector>
 
 #include "experts.h"
+#include "simd.h"
 
-#if defined(__AVX2__) && ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
-#define HYBRIDKV_VNNI 1
-#endif
 #if defined(HYBRIDKV_VNNI) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
 #define HYBRIDKV_ZMM 1  // the single-row dot on 512-bit vectors
 #endif
@@ -202,13 +200,7 @@ inline float hsum_f32(__m256 v) {
 template <Isa I>
 inline __m256i signed_dot(__m256i w_abs, __m256i x_signed) {
 #ifdef HYBRIDKV_VNNI
-  if constexpr (I == Isa::Vnni) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w_abs, x_signed);
-#else
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w_abs, x_signed);
-#endif
-  }
+  if constexpr (I == Isa::Vnni) return hybridkv::dpbusd(_mm256_setzero_si256(), w_abs, x_signed);
 #endif
   // Byte pairs into int16 (|pair| <= 2·128·127 < 2^15: no saturation), then int16 pairs into int32.
   return _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, x_signed), _mm256_set1_epi16(1));
@@ -442,14 +434,6 @@ void rows_dot(const uint8_t* w, float* dw, const int8_t* a, const float* dx, con
 }
 
 #ifdef HYBRIDKV_VNNI
-inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(acc, u, s);
-#else
-  return _mm256_dpbusd_avx_epi32(acc, u, s);
-#endif
-}
-
 // Eight weight rows at once, lanes = weight rows (llama.cpp's repacked gemm, without repacking the
 // file): a block of each of the 8 rows is unpacked and transposed so that vector j holds bytes
 // 4j..4j+3 of every row, then each activation row's 4-byte groups are broadcast against them —
@@ -471,23 +455,7 @@ void rows8_dot_m(const uint8_t* w, int64_t row_bytes, const float* dw8, const fl
   for (int64_t b = 0; b < nb; ++b) {
     __m256i t[8];
     for (int i = 0; i < 8; ++i) t[i] = unpack<B>(w + i * row_bytes + b * B::BYTES);
-    // 8 x 8 transpose of 32-bit groups: t[j] lane i = row i's bytes 4j..4j+3.
-    const __m256i a0 = _mm256_unpacklo_epi32(t[0], t[1]), a1 = _mm256_unpackhi_epi32(t[0], t[1]);
-    const __m256i a2 = _mm256_unpacklo_epi32(t[2], t[3]), a3 = _mm256_unpackhi_epi32(t[2], t[3]);
-    const __m256i a4 = _mm256_unpacklo_epi32(t[4], t[5]), a5 = _mm256_unpackhi_epi32(t[4], t[5]);
-    const __m256i a6 = _mm256_unpacklo_epi32(t[6], t[7]), a7 = _mm256_unpackhi_epi32(t[6], t[7]);
-    const __m256i b0 = _mm256_unpacklo_epi64(a0, a2), b1 = _mm256_unpackhi_epi64(a0, a2);
-    const __m256i b2 = _mm256_unpacklo_epi64(a1, a3), b3 = _mm256_unpackhi_epi64(a1, a3);
-    const __m256i b4 = _mm256_unpacklo_epi64(a4, a6), b5 = _mm256_unpackhi_epi64(a4, a6);
-    const __m256i b6 = _mm256_unpacklo_epi64(a5, a7), b7 = _mm256_unpackhi_epi64(a5, a7);
-    t[0] = _mm256_permute2x128_si256(b0, b4, 0x20);
-    t[1] = _mm256_permute2x128_si256(b1, b5, 0x20);
-    t[2] = _mm256_permute2x128_si256(b2, b6, 0x20);
-    t[3] = _mm256_permute2x128_si256(b3, b7, 0x20);
-    t[4] = _mm256_permute2x128_si256(b0, b4, 0x31);
-    t[5] = _mm256_permute2x128_si256(b1, b5, 0x31);
-    t[6] = _mm256_permute2x128_si256(b2, b6, 0x31);
-    t[7] = _mm256_permute2x128_si256(b3, b7, 0x31);
+    hybridkv::transpose8(t);  // t[j] lane i = row i's bytes 4j..4j+3
     for (int j = 0; j < 8; ++j) t[j] = _mm256_xor_si256(t[j], bias);  // w + 128, unsigned
     const __m256 dw = _mm256_loadu_ps(dw8 + b * 8);
     for (int r = 0; r < M; ++r) {
@@ -495,8 +463,8 @@ void rows8_dot_m(const uint8_t* w, int64_t row_bytes, const float* dw8, const fl
       const float* x = reinterpret_cast<const float*>(a + (rows[r] * nb + b) * QK8);
       __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
       for (int j = 0; j < 8; j += 2) {
-        s0 = dpbusd(s0, t[j], _mm256_castps_si256(_mm256_broadcast_ss(x + j)));
-        s1 = dpbusd(s1, t[j + 1], _mm256_castps_si256(_mm256_broadcast_ss(x + j + 1)));
+        s0 = hybridkv::dpbusd(s0, t[j], _mm256_castps_si256(_mm256_broadcast_ss(x + j)));
+        s1 = hybridkv::dpbusd(s1, t[j + 1], _mm256_castps_si256(_mm256_broadcast_ss(x + j + 1)));
       }
       const __m256i offset = _mm256_set1_epi32(xsum128[rows[r] * nb + b]);
       const __m256i sums = _mm256_sub_epi32(_mm256_add_epi32(s0, s1), offset);
