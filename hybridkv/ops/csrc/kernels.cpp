@@ -723,23 +723,21 @@ void delta_step(float* S, const float* q, const float* k, const float* v, float 
 
 // Columns [c, c + NV*LANES) of `delta_step`: each column of S only meets its own u and o, so a
 // head runs as column slices whose u and o stay in registers (NV = 4: 8 of the 16 AVX2 registers).
+// The decayed state is formed twice, the same products, instead of stored between the passes:
+// one write of S per token, not two.
 template <int NV>
 inline void delta_columns(float* S, const float* q, const float* k, const float* v, float beta, float decay,
                           int64_t dk, int64_t dv, int64_t c, float* o_out) {
   vf u[NV] = {}, o[NV] = {};
   for (int64_t i = 0; i < dk; ++i) {
-    float* row = S + i * dv + c;
-    for (int j = 0; j < NV; ++j) {
-      const vf decayed = load(row + j * LANES) * decay;
-      store(row + j * LANES, decayed);
-      u[j] += k[i] * decayed;
-    }
+    const float* row = S + i * dv + c;
+    for (int j = 0; j < NV; ++j) u[j] += k[i] * (load(row + j * LANES) * decay);
   }
   for (int j = 0; j < NV; ++j) u[j] = beta * (load(v + c + j * LANES) - u[j]);
   for (int64_t i = 0; i < dk; ++i) {
     float* row = S + i * dv + c;
     for (int j = 0; j < NV; ++j) {
-      const vf updated = load(row + j * LANES) + k[i] * u[j];
+      const vf updated = load(row + j * LANES) * decay + k[i] * u[j];
       store(row + j * LANES, updated);
       o[j] += q[i] * updated;
     }

@@ -433,6 +433,12 @@ void rows_dot(const uint8_t* w, float* dw, const int8_t* a, const float* dx, con
     y[rows[i] * N] = row_dot<I, B>(w, dw, a + rows[i] * nb * QK8, dx + rows[i] * nb, sx_of(rows[i]), nb);
 }
 
+#ifndef PREFETCH_HINT
+#define PREFETCH_HINT _MM_HINT_T0
+#endif
+#ifndef PREFETCH_EVERY
+#define PREFETCH_EVERY 1
+#endif
 #ifdef HYBRIDKV_VNNI
 // Eight weight rows at once, lanes = weight rows (llama.cpp's repacked gemm, without repacking the
 // file): a block of each of the 8 rows is unpacked and transposed so that vector j holds bytes
@@ -448,11 +454,14 @@ void rows_dot(const uint8_t* w, float* dw, const int8_t* a, const float* dx, con
 template <typename B, int M>
 void rows8_dot_m(const uint8_t* w, int64_t row_bytes, const float* dw8, const float* dm8, const int8_t* a,
                  const int32_t* xsum128, const float* dx, const float* sx, int64_t nb, const int64_t* rows, float* y,
-                 int64_t N) {
+                 int64_t N, const uint8_t* ahead) {
   const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
   __m256 acc[M];
   for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
+    if (ahead != nullptr && b % PREFETCH_EVERY == 0)  // the next 8 rows' same blocks, spread over this pass
+      for (int i = 0; i < 8; ++i)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + i * row_bytes + b * B::BYTES), PREFETCH_HINT);
     __m256i t[8];
     for (int i = 0; i < 8; ++i) t[i] = unpack<B>(w + i * row_bytes + b * B::BYTES);
     hybridkv::transpose8(t);  // t[j] lane i = row i's bytes 4j..4j+3
@@ -480,18 +489,18 @@ void rows8_dot_m(const uint8_t* w, int64_t row_bytes, const float* dw8, const fl
 template <typename B>
 void rows8_dot(const uint8_t* w, int64_t row_bytes, const float* dw8, const float* dm8, const int8_t* a,
                const int32_t* xsum128, const float* dx, const float* sx, int64_t nb, const int64_t* rows, int64_t n,
-               float* y, int64_t N) {
+               float* y, int64_t N, const uint8_t* ahead) {
   for (int64_t r0 = 0; r0 < n; r0 += 8) {
     const int64_t* rs = rows + r0;
     switch (std::min<int64_t>(n - r0, 8)) {
-      case 8: rows8_dot_m<B, 8>(w, row_bytes, dw8, dm8, a, xsum128, dx, sx, nb, rs, y, N); break;
-      case 7: rows8_dot_m<B, 7>(w, row_bytes, dw8, dm8, a, xsum128, dx, sx, nb, rs, y, N); break;
-      case 6: rows8_dot_m<B, 6>(w, row_bytes, dw8, dm8, a, xsum128, dx, sx, nb, rs, y, N); break;
-      case 5: rows8_dot_m<B, 5>(w, row_bytes, dw8, dm8, a, xsum128, dx, sx, nb, rs, y, N); break;
-      case 4: rows8_dot_m<B, 4>(w, row_bytes, dw8, dm8, a, xsum128, dx, sx, nb, rs, y, N); break;
-      case 3: rows8_dot_m<B, 3>(w, row_bytes, dw8, dm8, a, xsum128, dx, sx, nb, rs, y, N); break;
-      case 2: rows8_dot_m<B, 2>(w, row_bytes, dw8, dm8, a, xsum128, dx, sx, nb, rs, y, N); break;
-      default: rows8_dot_m<B, 1>(w, row_bytes, dw8, dm8, a, xsum128, dx, sx, nb, rs, y, N); break;
+      case 8: rows8_dot_m<B, 8>(w, row_bytes, dw8, dm8, a, xsum128, dx, sx, nb, rs, y, N, r0 == 0 ? ahead : nullptr); break;
+      case 7: rows8_dot_m<B, 7>(w, row_bytes, dw8, dm8, a, xsum128, dx, sx, nb, rs, y, N, r0 == 0 ? ahead : nullptr); break;
+      case 6: rows8_dot_m<B, 6>(w, row_bytes, dw8, dm8, a, xsum128, dx, sx, nb, rs, y, N, r0 == 0 ? ahead : nullptr); break;
+      case 5: rows8_dot_m<B, 5>(w, row_bytes, dw8, dm8, a, xsum128, dx, sx, nb, rs, y, N, r0 == 0 ? ahead : nullptr); break;
+      case 4: rows8_dot_m<B, 4>(w, row_bytes, dw8, dm8, a, xsum128, dx, sx, nb, rs, y, N, r0 == 0 ? ahead : nullptr); break;
+      case 3: rows8_dot_m<B, 3>(w, row_bytes, dw8, dm8, a, xsum128, dx, sx, nb, rs, y, N, r0 == 0 ? ahead : nullptr); break;
+      case 2: rows8_dot_m<B, 2>(w, row_bytes, dw8, dm8, a, xsum128, dx, sx, nb, rs, y, N, r0 == 0 ? ahead : nullptr); break;
+      default: rows8_dot_m<B, 1>(w, row_bytes, dw8, dm8, a, xsum128, dx, sx, nb, rs, y, N, r0 == 0 ? ahead : nullptr); break;
     }
   }
 }
@@ -620,26 +629,22 @@ void matmul_rows8(const int8_t* a, const float* dx, const float* sx, int64_t T, 
     std::vector<float> dw8(GROUPS * nb * 8), dm8(B::HAS_MIN ? GROUPS * nb * 8 : 0);
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t g0 = c * GROUPS, g1 = std::min(groups, g0 + GROUPS);
-      for (int64_t u = g0; u < g1; ++u) {
-        const uint8_t* wr = w + u * 8 * row_bytes;
-        float* d = dw8.data() + (u - g0) * nb * 8;
-        for (int64_t b = 0; b < nb; ++b)
-          for (int i = 0; i < 8; ++i) d[b * 8 + i] = fp16(wr + i * row_bytes + b * B::BYTES);
-        if constexpr (B::HAS_MIN) {
-          float* m = dm8.data() + (u - g0) * nb * 8;
-          for (int64_t b = 0; b < nb; ++b)
-            for (int i = 0; i < 8; ++i) m[b * 8 + i] = fp16(wr + i * row_bytes + b * B::BYTES + 2);
-        }
-      }
       for (int64_t t0 = 0; t0 < T; t0 += TILE_T) {
         for (int64_t u = g0; u < g1; ++u) {
           const uint8_t* wr = w + u * 8 * row_bytes;
-          // Eight strided streams defeat the hardware prefetcher: fetch the next group while this one runs.
-          if (t0 == 0 && u + 1 < groups)
-            for (int64_t at = 0; at < 8 * row_bytes; at += 64)
-              _mm_prefetch(reinterpret_cast<const char*>(wr + 8 * row_bytes + at), _MM_HINT_T0);
-          rows8_dot<B>(wr, row_bytes, dw8.data() + (u - g0) * nb * 8, dm8.data() + (B::HAS_MIN ? (u - g0) * nb * 8 : 0),
-                       a, xsum128.data(), dx, sx, nb, all_rows + t0, std::min(TILE_T, T - t0), y + u * 8, N);
+          float *d = dw8.data() + (u - g0) * nb * 8, *m = dm8.data() + (B::HAS_MIN ? (u - g0) * nb * 8 : 0);
+          if (t0 == 0) {  // the group's scales, widened once for all tiles
+            for (int64_t b = 0; b < nb; ++b)
+              for (int i = 0; i < 8; ++i) d[b * 8 + i] = fp16(wr + i * row_bytes + b * B::BYTES);
+            if constexpr (B::HAS_MIN)
+              for (int64_t b = 0; b < nb; ++b)
+                for (int i = 0; i < 8; ++i) m[b * 8 + i] = fp16(wr + i * row_bytes + b * B::BYTES + 2);
+          }
+          // Eight short strided streams defeat the hardware prefetcher: the first pass over a group
+          // fetches the next one, so its scales and codes are in cache when their turn comes.
+          const uint8_t* ahead = t0 == 0 && u + 1 < groups ? wr + 8 * row_bytes : nullptr;
+          rows8_dot<B>(wr, row_bytes, d, m,
+                       a, xsum128.data(), dx, sx, nb, all_rows + t0, std::min(TILE_T, T - t0), y + u * 8, N, ahead);
         }
       }
     }
