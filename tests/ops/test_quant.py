@@ -184,8 +184,9 @@ def rows32(N: int, K: int, seed: int, quantized: bool, t: GGMLType = GGMLType.Q8
     return random_rows(block_type(t), (N,), K, seed)
 
 
-SHAPES = [(1, 32, 1), (1, 608, 37), (3, 96, 5), (7, 256, 17), (32, 608, 9), (70, 96, 75)]
-# 608 = 19 blocks: 2 x 8 and 3; 70 x 75: two tiles of activation rows against two chunks of 8-row groups
+SHAPES = [(1, 32, 1), (1, 608, 37), (3, 96, 5), (7, 256, 17), (32, 608, 9), (70, 96, 91)]
+# (T, K, N). 608 = 19 blocks: 2 x 8 and 3. 70 x 91: two tiles of activation rows against 5 groups of
+# 16 weight rows (two chunks: 4 + 1), then a group of 8 and 3 single rows; N = 9 and 17 the tails alone
 
 
 @pytest.mark.parametrize(("T", "K"), [(1, 32), (5, 96), (7, 608)])

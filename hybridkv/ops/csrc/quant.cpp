@@ -433,12 +433,6 @@ void rows_dot(const uint8_t* w, float* dw, const int8_t* a, const float* dx, con
     y[rows[i] * N] = row_dot<I, B>(w, dw, a + rows[i] * nb * QK8, dx + rows[i] * nb, sx_of(rows[i]), nb);
 }
 
-#ifndef PREFETCH_HINT
-#define PREFETCH_HINT _MM_HINT_T0
-#endif
-#ifndef PREFETCH_EVERY
-#define PREFETCH_EVERY 1
-#endif
 #ifdef HYBRIDKV_VNNI
 // Eight weight rows at once, lanes = weight rows (llama.cpp's repacked gemm, without repacking the
 // file): a block of each of the 8 rows is unpacked and transposed so that vector j holds bytes
@@ -449,8 +443,8 @@ void rows_dot(const uint8_t* w, float* dw, const int8_t* a, const float* dx, con
 // the exact integer Σ x·w. Then one float multiply-add per block scales the 8 sums by d_w (a
 // vector) · d_x.
 // w: 8 rows of row_bytes; dw8 [nb][8] their scales (dm8: their mins, for the types with one; sx the
-// activation blocks' d·Σq); rows[0..n) activation rows (R <= 8 at a time); y[rows[r]·N + 0..8)
-// receives the 8 results.
+// activation blocks' d·Σq); rows[0..M) activation rows; y[rows[r]·N + 0..8) receives the 8
+// results; ahead: the next 8 rows to prefetch during this pass, or nullptr.
 template <typename B, int M>
 void rows8_dot_m(const uint8_t* w, int64_t row_bytes, const float* dw8, const float* dm8, const int8_t* a,
                  const int32_t* xsum128, const float* dx, const float* sx, int64_t nb, const int64_t* rows, float* y,
@@ -459,9 +453,9 @@ void rows8_dot_m(const uint8_t* w, int64_t row_bytes, const float* dw8, const fl
   __m256 acc[M];
   for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    if (ahead != nullptr && b % PREFETCH_EVERY == 0)  // the next 8 rows' same blocks, spread over this pass
+    if (ahead != nullptr)  // the next 8 rows' same blocks, spread over this pass
       for (int i = 0; i < 8; ++i)
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + i * row_bytes + b * B::BYTES), PREFETCH_HINT);
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + i * row_bytes + b * B::BYTES), _MM_HINT_T0);
     __m256i t[8];
     for (int i = 0; i < 8; ++i) t[i] = unpack<B>(w + i * row_bytes + b * B::BYTES);
     hybridkv::transpose8(t);  // t[j] lane i = row i's bytes 4j..4j+3
@@ -486,21 +480,77 @@ void rows8_dot_m(const uint8_t* w, int64_t row_bytes, const float* dw8, const fl
   for (int r = 0; r < M; ++r) _mm256_storeu_ps(y + rows[r] * N, acc[r]);
 }
 
-template <typename B>
-void rows8_dot(const uint8_t* w, int64_t row_bytes, const float* dw8, const float* dm8, const int8_t* a,
-               const int32_t* xsum128, const float* dx, const float* sx, int64_t nb, const int64_t* rows, int64_t n,
-               float* y, int64_t N, const uint8_t* ahead) {
+#endif
+
+#ifdef HYBRIDKV_ZMM
+// `rows8_dot_m` on 512-bit vectors: 16 weight rows a pass (two 8-row transposes joined), so each
+// broadcast 4-byte activation group and each block's offset and scale steps serve 16 rows. The
+// same exact block sums; the 128·Σx offset starts the sum instead of being taken off after.
+// dw16, dm16: [nb][16] the rows' scales (mins); y[rows[r]·N + 0..16) receives the 16 results.
+template <typename B, int M>
+void rows16_dot_m(const uint8_t* w, int64_t row_bytes, const float* dw16, const float* dm16, const int8_t* a,
+                  const int32_t* xsum128, const float* dx, const float* sx, int64_t nb, const int64_t* rows, float* y,
+                  int64_t N, const uint8_t* ahead) {
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[M];
+  for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    if (ahead != nullptr)  // the next 16 rows' same blocks, spread over this pass
+      for (int i = 0; i < 16; ++i)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + i * row_bytes + b * B::BYTES), _MM_HINT_T0);
+    __m256i lo[8], hi[8];
+    for (int i = 0; i < 8; ++i) {
+      lo[i] = unpack<B>(w + i * row_bytes + b * B::BYTES);
+      hi[i] = unpack<B>(w + (8 + i) * row_bytes + b * B::BYTES);
+    }
+    hybridkv::transpose8(lo);
+    hybridkv::transpose8(hi);
+    __m512i t[8];  // t[j] lane i: row i's bytes 4j..4j+3, shifted to unsigned
+    for (int j = 0; j < 8; ++j) t[j] = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo[j]), hi[j], 1), bias);
+    const __m512 dw = _mm512_loadu_ps(dw16 + b * 16);
+    for (int r = 0; r < M; ++r) {
+      const int64_t at = rows[r] * nb + b;
+      const int32_t* x = reinterpret_cast<const int32_t*>(a + at * QK8);
+      __m512i s0 = _mm512_set1_epi32(-xsum128[at]), s1 = _mm512_setzero_si512();
+      for (int j = 0; j < 8; j += 2) {
+        s0 = _mm512_dpbusd_epi32(s0, t[j], _mm512_set1_epi32(x[j]));
+        s1 = _mm512_dpbusd_epi32(s1, t[j + 1], _mm512_set1_epi32(x[j + 1]));
+      }
+      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(dx[at]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), scale, acc[r]);
+      if constexpr (B::HAS_MIN)
+        acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(dm16 + b * 16), _mm512_set1_ps(sx[at]), acc[r]);
+    }
+  }
+  for (int r = 0; r < M; ++r) _mm512_storeu_ps(y + rows[r] * N, acc[r]);
+}
+#endif
+
+#ifdef HYBRIDKV_VNNI
+// `rows8_dot_m` (L = 8) or `rows16_dot_m` (L = 16) over activation rows rows[0..n), 8 at a time.
+template <typename B, int L>
+void rows_l_dot(const uint8_t* w, int64_t row_bytes, const float* dw, const float* dm, const int8_t* a,
+                const int32_t* xsum128, const float* dx, const float* sx, int64_t nb, const int64_t* rows, int64_t n,
+                float* y, int64_t N, const uint8_t* ahead) {
+  auto run = [&](auto m, const int64_t* rs, const uint8_t* pf) {
+    constexpr int M = decltype(m)::value;
+#ifdef HYBRIDKV_ZMM
+    if constexpr (L == 16) return rows16_dot_m<B, M>(w, row_bytes, dw, dm, a, xsum128, dx, sx, nb, rs, y, N, pf);
+#endif
+    if constexpr (L == 8) return rows8_dot_m<B, M>(w, row_bytes, dw, dm, a, xsum128, dx, sx, nb, rs, y, N, pf);
+  };
   for (int64_t r0 = 0; r0 < n; r0 += 8) {
     const int64_t* rs = rows + r0;
+    const uint8_t* pf = r0 == 0 ? ahead : nullptr;
     switch (std::min<int64_t>(n - r0, 8)) {
-      case 8: rows8_dot_m<B, 8>(w, row_bytes, dw8, dm8, a, xsum128, dx, sx, nb, rs, y, N, r0 == 0 ? ahead : nullptr); break;
-      case 7: rows8_dot_m<B, 7>(w, row_bytes, dw8, dm8, a, xsum128, dx, sx, nb, rs, y, N, r0 == 0 ? ahead : nullptr); break;
-      case 6: rows8_dot_m<B, 6>(w, row_bytes, dw8, dm8, a, xsum128, dx, sx, nb, rs, y, N, r0 == 0 ? ahead : nullptr); break;
-      case 5: rows8_dot_m<B, 5>(w, row_bytes, dw8, dm8, a, xsum128, dx, sx, nb, rs, y, N, r0 == 0 ? ahead : nullptr); break;
-      case 4: rows8_dot_m<B, 4>(w, row_bytes, dw8, dm8, a, xsum128, dx, sx, nb, rs, y, N, r0 == 0 ? ahead : nullptr); break;
-      case 3: rows8_dot_m<B, 3>(w, row_bytes, dw8, dm8, a, xsum128, dx, sx, nb, rs, y, N, r0 == 0 ? ahead : nullptr); break;
-      case 2: rows8_dot_m<B, 2>(w, row_bytes, dw8, dm8, a, xsum128, dx, sx, nb, rs, y, N, r0 == 0 ? ahead : nullptr); break;
-      default: rows8_dot_m<B, 1>(w, row_bytes, dw8, dm8, a, xsum128, dx, sx, nb, rs, y, N, r0 == 0 ? ahead : nullptr); break;
+      case 8: run(std::integral_constant<int, 8>{}, rs, pf); break;
+      case 7: run(std::integral_constant<int, 7>{}, rs, pf); break;
+      case 6: run(std::integral_constant<int, 6>{}, rs, pf); break;
+      case 5: run(std::integral_constant<int, 5>{}, rs, pf); break;
+      case 4: run(std::integral_constant<int, 4>{}, rs, pf); break;
+      case 3: run(std::integral_constant<int, 3>{}, rs, pf); break;
+      case 2: run(std::integral_constant<int, 2>{}, rs, pf); break;
+      default: run(std::integral_constant<int, 1>{}, rs, pf); break;
     }
   }
 }
@@ -607,52 +657,67 @@ at::Tensor q8_block_sums(const at::Tensor& q_in, const at::Tensor& w, int64_t gg
 }
 
 #ifdef HYBRIDKV_VNNI
-// From this many activation rows on, `matmul_impl` takes the weight rows 8 at a time (`rows8_dot`):
-// its transposes pay off once several activation rows share them.
+// From this many activation rows on, `matmul_impl` takes the weight rows 8 or 16 at a time
+// (`rows_l_dot`): its transposes pay off once several activation rows share them.
 constexpr int64_t ROWS8_FROM = 4;
 
-// `matmul_impl` by `rows8_dot`: threads split W's rows in groups of 8 (the last N % 8 rows one by one).
+// Weight rows [n0, n0 + groups·L) of `matmul_impl` by `rows_l_dot`, threads splitting the groups.
+template <typename B, int L>
+void matmul_groups(const int8_t* a, const float* dx, const float* sx, const int32_t* xsum128, int64_t T,
+                   const uint8_t* w, int64_t n0, int64_t groups, int64_t N, int64_t nb, float* y,
+                   const int64_t* all_rows) {
+  // Many activation rows (prefill) are taken TILE_T at a time against GROUPS groups of weight rows,
+  // so both stay in L2: the weights are read from memory once, the activations once per GROUPS groups.
+  constexpr int64_t GROUPS = 64 / L, TILE_T = 64;
+  const int64_t row_bytes = nb * B::BYTES;
+  at::parallel_for(0, (groups + GROUPS - 1) / GROUPS, 1, [&](int64_t c0, int64_t c1) {
+    std::vector<float> dw(GROUPS * nb * L), dm(B::HAS_MIN ? GROUPS * nb * L : 0);
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t g0 = c * GROUPS, g1 = std::min(groups, g0 + GROUPS);
+      for (int64_t t0 = 0; t0 < T; t0 += TILE_T) {
+        for (int64_t u = g0; u < g1; ++u) {
+          const uint8_t* wr = w + (n0 + u * L) * row_bytes;
+          float *d = dw.data() + (u - g0) * nb * L, *m = dm.data() + (B::HAS_MIN ? (u - g0) * nb * L : 0);
+          if (t0 == 0) {  // the group's scales, widened once for all tiles
+            for (int64_t b = 0; b < nb; ++b)
+              for (int i = 0; i < L; ++i) d[b * L + i] = fp16(wr + i * row_bytes + b * B::BYTES);
+            if constexpr (B::HAS_MIN)
+              for (int64_t b = 0; b < nb; ++b)
+                for (int i = 0; i < L; ++i) m[b * L + i] = fp16(wr + i * row_bytes + b * B::BYTES + 2);
+          }
+          // L short strided streams defeat the hardware prefetcher: the first pass over a group
+          // fetches the next one, so its scales and codes are in cache when their turn comes.
+          const uint8_t* ahead = t0 == 0 && u + 1 < groups ? wr + L * row_bytes : nullptr;
+          rows_l_dot<B, L>(wr, row_bytes, d, m, a, xsum128, dx, sx, nb, all_rows + t0, std::min(TILE_T, T - t0),
+                           y + n0 + u * L, N, ahead);
+        }
+      }
+    }
+  });
+}
+
+// `matmul_impl` by `matmul_groups`: W's rows in groups of 16 (512-bit vectors), then of 8, the
+// last N % 8 one by one.
 template <typename B>
 void matmul_rows8(const int8_t* a, const float* dx, const float* sx, int64_t T, const uint8_t* w, int64_t N,
                   int64_t nb, float* y, const int64_t* all_rows) {
-  // Many activation rows (prefill) are taken TILE_T at a time against GROUPS groups of weight rows,
-  // so both stay in L2: the weights are read from memory once, the activations once per GROUPS groups.
-  constexpr int64_t GROUPS = 8, TILE_T = 64;
-  const int64_t row_bytes = nb * B::BYTES, groups = N / 8;
   std::vector<int32_t> xsum128(T * nb);  // 128·Σq of each activation block
   for (int64_t i = 0; i < T * nb; ++i) {
     int32_t sum = 0;
     for (int j = 0; j < QK8; ++j) sum += a[i * QK8 + j];
     xsum128[i] = 128 * sum;
   }
-  at::parallel_for(0, (groups + GROUPS - 1) / GROUPS, 1, [&](int64_t c0, int64_t c1) {
-    std::vector<float> dw8(GROUPS * nb * 8), dm8(B::HAS_MIN ? GROUPS * nb * 8 : 0);
-    for (int64_t c = c0; c < c1; ++c) {
-      const int64_t g0 = c * GROUPS, g1 = std::min(groups, g0 + GROUPS);
-      for (int64_t t0 = 0; t0 < T; t0 += TILE_T) {
-        for (int64_t u = g0; u < g1; ++u) {
-          const uint8_t* wr = w + u * 8 * row_bytes;
-          float *d = dw8.data() + (u - g0) * nb * 8, *m = dm8.data() + (B::HAS_MIN ? (u - g0) * nb * 8 : 0);
-          if (t0 == 0) {  // the group's scales, widened once for all tiles
-            for (int64_t b = 0; b < nb; ++b)
-              for (int i = 0; i < 8; ++i) d[b * 8 + i] = fp16(wr + i * row_bytes + b * B::BYTES);
-            if constexpr (B::HAS_MIN)
-              for (int64_t b = 0; b < nb; ++b)
-                for (int i = 0; i < 8; ++i) m[b * 8 + i] = fp16(wr + i * row_bytes + b * B::BYTES + 2);
-          }
-          // Eight short strided streams defeat the hardware prefetcher: the first pass over a group
-          // fetches the next one, so its scales and codes are in cache when their turn comes.
-          const uint8_t* ahead = t0 == 0 && u + 1 < groups ? wr + 8 * row_bytes : nullptr;
-          rows8_dot<B>(wr, row_bytes, d, m,
-                       a, xsum128.data(), dx, sx, nb, all_rows + t0, std::min(TILE_T, T - t0), y + u * 8, N, ahead);
-        }
-      }
-    }
-  });
-  at::parallel_for(groups * 8, N, 1, [&](int64_t n0, int64_t n1) {  // the last N % 8 rows one by one
+  int64_t done = 0;
+#ifdef HYBRIDKV_ZMM
+  matmul_groups<B, 16>(a, dx, sx, xsum128.data(), T, w, 0, N / 16, N, nb, y, all_rows);
+  done = N / 16 * 16;
+#endif
+  matmul_groups<B, 8>(a, dx, sx, xsum128.data(), T, w, done, (N - done) / 8, N, nb, y, all_rows);
+  done += (N - done) / 8 * 8;
+  at::parallel_for(done, N, 1, [&](int64_t n0, int64_t n1) {  // the last N % 8 rows one by one
     std::vector<float> dw(nb);
     for (int64_t n = n0; n < n1; ++n)
-      rows_dot<Isa::Vnni, B>(w + n * row_bytes, dw.data(), a, dx, sx, nb, all_rows, T, y + n, N);
+      rows_dot<Isa::Vnni, B>(w + n * nb * B::BYTES, dw.data(), a, dx, sx, nb, all_rows, T, y + n, N);
   });
 }
 #endif
