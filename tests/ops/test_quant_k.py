@@ -15,8 +15,8 @@ from hybridkv.ops import native
 from hybridkv.ops.quant import GGMLType, QuantizedWeight, block_type, int8_dot, k_dot
 
 K_QUANTS = [GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
-SHAPES = [(1, 256, 1), (1, 4096, 37), (3, 768, 5), (7, 512, 17), (32, 256, 9), (70, 256, 21)]  # (T, K, N)
-# 70 x 21: two tiles of activation rows against two chunks of 16 weight rows
+SHAPES = [(1, 256, 1), (1, 4096, 37), (3, 768, 5), (7, 512, 17), (32, 256, 9), (70, 256, 45)]  # (T, K, N)
+# 70 x 45: two tiles of activation rows; with 32+ rows, two groups of 16 weight rows (AVX-512), 8, then 5 one by one
 
 
 # --- the emulation -----------------------------------------------------------------------------

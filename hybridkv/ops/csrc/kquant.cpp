@@ -10,7 +10,8 @@
 // then `madd` by the i16 scale into i32; with several activation rows each weight super-block is
 // unpacked once for all of them) and a plain loop; `isa` picks one, so the tests run both. On VNNI,
 // prefill-sized products (32+ activation rows) take 8 weight rows at a time with the lanes being
-// weight rows (`rows8_kdot`): there the per-sub-block i32 multiply is shared by 8 rows.
+// weight rows (`rows8_kdot`): there the per-sub-block i32 multiply is shared by 8 rows; on AVX-512,
+// products of 4+ rows take 16 (`rows16_kdot`), the next 16 prefetched during the pass.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -616,6 +617,73 @@ void rows8_kdot(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t K, cons
   }
   for (int64_t r = 0; r < n; ++r) _mm256_storeu_ps(y + rows[r] * N, acc[r]);
 }
+
+#if defined(HYBRIDKV_VNNI) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define HYBRIDKV_ZMM 1
+// `rows8_kdot` on 512-bit vectors: 16 weight rows a pass (each 8-row transpose joined with the next
+// 8 rows'), so each broadcast activation group, scale multiply and float step serve 16 rows. The
+// same integers S and M. ahead: the next 16 rows, prefetched during this pass (or nullptr).
+template <class KT>
+void rows16_kdot(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t K, const int8_t* a, const float* dx,
+                 const int16_t* xs, const int64_t* rows, int64_t n, float* y, int64_t N, __m512* acc,
+                 const uint8_t* ahead) {
+  Unpacked u[16];
+  alignas(64) int32_t scales[16][16];
+  alignas(64) float dws[16], dmins[16];
+  __m512i ct[64], mn[8];
+  for (int64_t r = 0; r < n; ++r) acc[r] = _mm512_setzero_ps();
+  auto join = [](__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); };
+  for (int64_t b = 0; b < nb; ++b) {
+    if (ahead != nullptr)
+      for (int i = 0; i < 16; ++i)
+        for (int line = 0; line < KT::bytes; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(ahead + i * row_bytes + b * KT::bytes + line), _MM_HINT_T0);
+    for (int i = 0; i < 16; ++i) {
+      const uint8_t* wb = w + i * row_bytes + b * KT::bytes;
+      unpack(KT{}, wb, u[i]);
+      for (int h = 0; h < 16; ++h) scales[h][i] = u[i].scales[h / 2][(h % 2) * 8];
+      dws[i] = fp16(wb + KT::d_at);
+      dmins[i] = KT::mins_in_d ? 0.f : fp16(wb + KT::dmin_at);
+    }
+    __m256i lo[8], hi[8];
+    for (int c = 0; c < 8; ++c) {  // codes 32c..32c+31 of each row: groups 8c..8c+7
+      for (int i = 0; i < 8; ++i) lo[i] = load(u[i].codes + 32 * c), hi[i] = load(u[8 + i].codes + 32 * c);
+      transpose8(lo);
+      transpose8(hi);
+      for (int j = 0; j < 8; ++j) ct[8 * c + j] = join(lo[j], hi[j]);
+    }
+    for (int i = 0; i < 8; ++i) lo[i] = load(u[i].mins), hi[i] = load(u[8 + i].mins);
+    transpose8(lo);
+    transpose8(hi);
+    for (int p = 0; p < 8; ++p) mn[p] = join(lo[p], hi[p]);  // lane i: row i's mins 2p, 2p+1
+    const __m512 dw = _mm512_load_ps(dws), dmin = _mm512_load_ps(dmins);
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t t = rows[r];
+      const int32_t* x = reinterpret_cast<const int32_t*>(a + t * K + b * QK_K);  // 4-byte groups, broadcast
+      __m512i S = _mm512_setzero_si512();
+      for (int h = 0; h < 16; ++h) {
+        __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ct[4 * h], _mm512_set1_epi32(x[4 * h]));
+        __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ct[4 * h + 1], _mm512_set1_epi32(x[4 * h + 1]));
+        s0 = _mm512_dpbusd_epi32(s0, ct[4 * h + 2], _mm512_set1_epi32(x[4 * h + 2]));
+        s1 = _mm512_dpbusd_epi32(s1, ct[4 * h + 3], _mm512_set1_epi32(x[4 * h + 3]));
+        S = _mm512_add_epi32(S, _mm512_mullo_epi32(_mm512_add_epi32(s0, s1), _mm512_load_si512(scales[h])));
+      }
+      const int32_t* xm = reinterpret_cast<const int32_t*>(xs + (t * nb + b) * 16);  // i16 pairs, broadcast
+      __m512i M = _mm512_setzero_si512();
+      for (int p = 0; p < 8; ++p) M = _mm512_dpwssd_epi32(M, mn[p], _mm512_set1_epi32(xm[p]));
+      const __m512 d = _mm512_mul_ps(dw, _mm512_set1_ps(dx[t * nb + b]));
+      if constexpr (KT::mins_in_d) {
+        acc[r] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(S, M)), acc[r]);
+      } else {
+        const __m512 dm = _mm512_mul_ps(dmin, _mm512_set1_ps(dx[t * nb + b]));
+        acc[r] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(S), acc[r]);
+        acc[r] = _mm512_fnmadd_ps(dm, _mm512_cvtepi32_ps(M), acc[r]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < n; ++r) _mm512_storeu_ps(y + rows[r] * N, acc[r]);
+}
+#endif
 #endif
 
 // Activation rows taken at once against a weight row: their accumulators, and the rows of prefill
@@ -624,6 +692,9 @@ constexpr int64_t TILE_T = 64;
 // From this many activation rows on, the dense product takes weight rows 8 at a time (`rows8_kdot`):
 // its per-super-block transposes pay off only over many rows (measured: slower at 4-16, 1.2x at 64+).
 constexpr int64_t ROWS8_FROM = 32;
+// On AVX-512 the 16-row form (`rows16_kdot`) pays from 4 rows (measured: even at 4, 1.5x at 8, 1.9x
+// at 16 over `rows_dot_unpacked`; slower at 2-3).
+constexpr int64_t ROWS16_FROM = 4;
 
 // y [T, N] = x @ W.T: threads split W's rows; each weight row is read once from memory and dotted
 // with every activation row while it sits in L1 (T >= 2: each super-block unpacked once for all).
@@ -643,10 +714,22 @@ void matmul_impl(const Q8K& xq, const uint8_t* w, int64_t N, float* y) {
       for (int64_t t = 0; t < T; ++t) all_rows[t] = t;
       at::parallel_for(0, (N + ROWS - 1) / ROWS, 1, [&](int64_t c0, int64_t c1) {
         std::vector<__m256> acc(TILE_T);
+#ifdef HYBRIDKV_ZMM
+        std::vector<__m512> acc16(TILE_T);
+#endif
         for (int64_t c = c0; c < c1; ++c)
           for (int64_t t0 = 0; t0 < T; t0 += TILE_T) {
             const int64_t tiles = std::min(TILE_T, T - t0), end = std::min(N, (c + 1) * ROWS);
             int64_t n = c * ROWS;
+#ifdef HYBRIDKV_ZMM
+            if (T >= ROWS16_FROM && n + 16 <= end) {
+              // The first tile fetches the next 16 rows: 16 short strided streams defeat the hardware prefetcher.
+              const uint8_t* ahead = t0 == 0 && end + 16 <= N ? w + end * nb * KT::bytes : nullptr;
+              rows16_kdot<KT>(w + n * nb * KT::bytes, nb * KT::bytes, nb, K, a, dx, xs.data(), all_rows.data() + t0,
+                              tiles, y + n, N, acc16.data(), ahead);
+              n += 16;
+            }
+#endif
 #ifdef HYBRIDKV_VNNI
             if (T >= ROWS8_FROM)
               for (; n + 8 <= end; n += 8)
