@@ -18,6 +18,7 @@ from hybridkv.models.mtp import MTPHidden
 from hybridkv.models.sources import ResolvedModel, resolve_model
 from hybridkv.models.weights import check_memory_fit
 from hybridkv.ops import native
+from hybridkv.ops.malloc import keep_freed_memory
 
 LogitsMode = Literal["all", "last", "none"]
 _DTYPES = {torch.float32, torch.bfloat16}
@@ -90,6 +91,7 @@ class CachedModel:
         check_memory_fit(weights_nbytes(model_dir, dtype, mtp=mtp), sizes.total_bytes)
         loaded = load_model(model_dir, dtype, quantize=quantize, mtp=mtp_hidden if mtp else None)
         native.enabled()  # the C++ kernels built (first time on this machine, ~10 s) or loaded now, not mid-request
+        keep_freed_memory()  # each step's large buffers reused, not faulted in and zeroed again
         return cls(loaded, loaded.config, cache, dtype)
 
     @property
