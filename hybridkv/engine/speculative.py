@@ -14,9 +14,9 @@ Drafts:
 - `ngram` (prompt lookup): the tokens that followed the latest earlier occurrence of the last
   n tokens (n from `ngram_max` down to `ngram_min`) in the prompt and output.
 - `mtp`: the checkpoint's multi-token-prediction block (`CachedModel.draft_mtp`).
-- `auto`: ngram with `AdaptiveDraft` choosing k and pausing where drafts fail. (Not mtp: its
-  drafting, a gather of the sequence's MTP K/V per step in Python, costs more than the verify
-  forward of a small model saves; see the README.)
+- `auto`: ngram with `AdaptiveDraft` choosing k and pausing where drafts fail. (Not mtp: on the
+  default model a draft step is a quarter of a forward, so k drafts cost about what the verify
+  forward saves; see the README.)
 """
 
 from __future__ import annotations
