@@ -11,7 +11,7 @@
 // unpacked once for all of them) and a plain loop; `isa` picks one, so the tests run both. On VNNI,
 // prefill-sized products (32+ activation rows) take 8 weight rows at a time with the lanes being
 // weight rows (`rows8_kdot`): there the per-sub-block i32 multiply is shared by 8 rows; on AVX-512,
-// products of 4+ rows take 16 (`rows16_kdot`), the next 16 prefetched during the pass.
+// products of 16+ rows take 16 (`rows16_kdot`), the next 16 prefetched during the pass.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -692,9 +692,10 @@ constexpr int64_t TILE_T = 64;
 // From this many activation rows on, the dense product takes weight rows 8 at a time (`rows8_kdot`):
 // its per-super-block transposes pay off only over many rows (measured: slower at 4-16, 1.2x at 64+).
 constexpr int64_t ROWS8_FROM = 32;
-// On AVX-512 the 16-row form (`rows16_kdot`) pays from 4 rows (measured: even at 4, 1.5x at 8, 1.9x
-// at 16 over `rows_dot_unpacked`; slower at 2-3).
-constexpr int64_t ROWS16_FROM = 4;
+// On AVX-512 the 16-row form (`rows16_kdot`) pays from 16 rows: 1.5-2.5x `rows_dot_unpacked` at 16,
+// 2-3x at 32. Below, its unpacking and transposes of 16 rows are shared by too few activation
+// rows, and with weights streaming from memory it was 1.5-2x slower at 4-8 rows (Q4_K, Q6_K).
+constexpr int64_t ROWS16_FROM = 16;
 
 // y [T, N] = x @ W.T: threads split W's rows; each weight row is read once from memory and dotted
 // with every activation row while it sits in L1 (T >= 2: each super-block unpacked once for all).
