@@ -14,7 +14,7 @@ def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 torch.empty(4 << 20).fill_(1.0)  # 16 MiB, written and freed: once
 before = faults()
-for _ in range(20):
+for _ in range(40):
     torch.empty(4 << 20).fill_(1.0)
 print(faults() - before)
 """
@@ -31,10 +31,10 @@ def test_a_freed_buffer_is_reused_without_faulting_its_pages_in_again() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     kept, faults = _probe(env)
     assert kept
-    # 20 more 16 MiB buffers (4,096 pages each): at most a buffer or two faulted in while the heap
-    # settles, not one per buffer.
-    assert faults < 3 * 4096, faults
+    # 40 more 16 MiB buffers (4,096 pages each): a few faulted in while the heap settles (1-3
+    # measured), not one per buffer.
+    assert faults < 10 * 4096, faults
     # glibc's own variables win, and then each buffer is mapped and faulted in afresh.
     kept, faults = _probe({**env, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)})
     assert not kept
-    assert faults > 20 * 4096 // 2, faults
+    assert faults > 30 * 4096, faults

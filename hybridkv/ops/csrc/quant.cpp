@@ -699,7 +699,7 @@ void matmul_groups(const int8_t* a, const float* dx, const float* sx, const int3
 // `matmul_impl` by `matmul_groups`: W's rows in groups of 16 (512-bit vectors), then of 8, the
 // last N % 8 one by one.
 template <typename B>
-void matmul_rows8(const int8_t* a, const float* dx, const float* sx, int64_t T, const uint8_t* w, int64_t N,
+void matmul_by_groups(const int8_t* a, const float* dx, const float* sx, int64_t T, const uint8_t* w, int64_t N,
                   int64_t nb, float* y, const int64_t* all_rows) {
   std::vector<int32_t> xsum128(T * nb);  // 128·Σq of each activation block
   for (int64_t i = 0; i < T * nb; ++i) {
@@ -731,7 +731,7 @@ void matmul_impl(const int8_t* a, const float* dx, const float* sx, int64_t T, c
   for (int64_t t = 0; t < T; ++t) all_rows[t] = t;
 #ifdef HYBRIDKV_VNNI
   if constexpr (I == Isa::Vnni) {
-    if (T >= ROWS8_FROM && N >= 8) return matmul_rows8<B>(a, dx, sx, T, w, N, nb, y, all_rows.data());
+    if (T >= ROWS8_FROM && N >= 8) return matmul_by_groups<B>(a, dx, sx, T, w, N, nb, y, all_rows.data());
   }
 #endif
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
