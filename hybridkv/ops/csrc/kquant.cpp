@@ -618,8 +618,7 @@ void rows8_kdot(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t K, cons
   for (int64_t r = 0; r < n; ++r) _mm256_storeu_ps(y + rows[r] * N, acc[r]);
 }
 
-#if defined(HYBRIDKV_VNNI) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define HYBRIDKV_ZMM 1
+#ifdef HYBRIDKV_ZMM
 // `rows8_kdot` on 512-bit vectors: 16 weight rows a pass (each 8-row transpose joined with the next
 // 8 rows'), so each broadcast activation group, scale multiply and float step serve 16 rows. The
 // same integers S and M. ahead: the next 16 rows, prefetched during this pass (or nullptr).
@@ -632,12 +631,8 @@ void rows16_kdot(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t K, con
   alignas(64) float dws[16], dmins[16];
   __m512i ct[64], mn[8];
   for (int64_t r = 0; r < n; ++r) acc[r] = _mm512_setzero_ps();
-  auto join = [](__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); };
   for (int64_t b = 0; b < nb; ++b) {
-    if (ahead != nullptr)
-      for (int i = 0; i < 16; ++i)
-        for (int line = 0; line < KT::bytes; line += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(ahead + i * row_bytes + b * KT::bytes + line), _MM_HINT_T0);
+    if (ahead != nullptr) hybridkv::prefetch_rows(ahead + b * KT::bytes, 16, row_bytes, KT::bytes);
     for (int i = 0; i < 16; ++i) {
       const uint8_t* wb = w + i * row_bytes + b * KT::bytes;
       unpack(KT{}, wb, u[i]);
@@ -648,14 +643,10 @@ void rows16_kdot(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t K, con
     __m256i lo[8], hi[8];
     for (int c = 0; c < 8; ++c) {  // codes 32c..32c+31 of each row: groups 8c..8c+7
       for (int i = 0; i < 8; ++i) lo[i] = load(u[i].codes + 32 * c), hi[i] = load(u[8 + i].codes + 32 * c);
-      transpose8(lo);
-      transpose8(hi);
-      for (int j = 0; j < 8; ++j) ct[8 * c + j] = join(lo[j], hi[j]);
+      hybridkv::transpose8x16(lo, hi, ct + 8 * c);
     }
     for (int i = 0; i < 8; ++i) lo[i] = load(u[i].mins), hi[i] = load(u[8 + i].mins);
-    transpose8(lo);
-    transpose8(hi);
-    for (int p = 0; p < 8; ++p) mn[p] = join(lo[p], hi[p]);  // lane i: row i's mins 2p, 2p+1
+    hybridkv::transpose8x16(lo, hi, mn);  // mn[p] lane i: row i's mins 2p, 2p+1
     const __m512 dw = _mm512_load_ps(dws), dmin = _mm512_load_ps(dmins);
     for (int64_t r = 0; r < n; ++r) {
       const int64_t t = rows[r];

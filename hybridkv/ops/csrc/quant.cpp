@@ -29,9 +29,6 @@
 #include "experts.h"
 #include "simd.h"
 
-#if defined(HYBRIDKV_VNNI) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
-#define HYBRIDKV_ZMM 1  // the single-row dot on 512-bit vectors
-#endif
 
 namespace {
 
@@ -454,8 +451,7 @@ void rows8_dot_m(const uint8_t* w, int64_t row_bytes, const float* dw8, const fl
   for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     if (ahead != nullptr)  // the next 8 rows' same blocks, spread over this pass
-      for (int i = 0; i < 8; ++i)
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + i * row_bytes + b * B::BYTES), _MM_HINT_T0);
+      hybridkv::prefetch_rows(ahead + b * B::BYTES, 8, row_bytes, B::BYTES);
     __m256i t[8];
     for (int i = 0; i < 8; ++i) t[i] = unpack<B>(w + i * row_bytes + b * B::BYTES);
     hybridkv::transpose8(t);  // t[j] lane i = row i's bytes 4j..4j+3
@@ -496,17 +492,15 @@ void rows16_dot_m(const uint8_t* w, int64_t row_bytes, const float* dw16, const 
   for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     if (ahead != nullptr)  // the next 16 rows' same blocks, spread over this pass
-      for (int i = 0; i < 16; ++i)
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + i * row_bytes + b * B::BYTES), _MM_HINT_T0);
+      hybridkv::prefetch_rows(ahead + b * B::BYTES, 16, row_bytes, B::BYTES);
     __m256i lo[8], hi[8];
     for (int i = 0; i < 8; ++i) {
       lo[i] = unpack<B>(w + i * row_bytes + b * B::BYTES);
       hi[i] = unpack<B>(w + (8 + i) * row_bytes + b * B::BYTES);
     }
-    hybridkv::transpose8(lo);
-    hybridkv::transpose8(hi);
     __m512i t[8];  // t[j] lane i: row i's bytes 4j..4j+3, shifted to unsigned
-    for (int j = 0; j < 8; ++j) t[j] = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo[j]), hi[j], 1), bias);
+    hybridkv::transpose8x16(lo, hi, t);
+    for (int j = 0; j < 8; ++j) t[j] = _mm512_xor_si512(t[j], bias);
     const __m512 dw = _mm512_loadu_ps(dw16 + b * 16);
     for (int r = 0; r < M; ++r) {
       const int64_t at = rows[r] * nb + b;

@@ -1,6 +1,8 @@
 // Vector helpers shared by the block kernels (quant.cpp, kquant.cpp).
 #pragma once
 
+#include <cstdint>
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -8,6 +10,11 @@
 // VNNI's byte and word dot products, in AVX-512 VL or AVX-VNNI form.
 #if defined(__AVX2__) && ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
 #define HYBRIDKV_VNNI 1
+#endif
+
+// The 512-bit forms of the block kernels (AVX-512 BW and VNNI; F16C for the scales).
+#if defined(HYBRIDKV_VNNI) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
+#define HYBRIDKV_ZMM 1
 #endif
 
 namespace hybridkv {
@@ -52,6 +59,24 @@ inline void transpose8(__m256i* v) {
   v[5] = _mm256_permute2x128_si256(b1, b5, 0x31);
   v[6] = _mm256_permute2x128_si256(b2, b6, 0x31);
   v[7] = _mm256_permute2x128_si256(b3, b7, 0x31);
+}
+
+// Prefetches `bytes` bytes at `at` of each of `rows` rows row_bytes apart, into L1 (the kernels
+// that read 8 or 16 weight rows at once fetch the next group this way: that many short strided
+// streams defeat the hardware prefetcher).
+inline void prefetch_rows(const uint8_t* at, int rows, int64_t row_bytes, int bytes) {
+  for (int i = 0; i < rows; ++i)
+    for (int line = 0; line < bytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(at + i * row_bytes + line), _MM_HINT_T0);
+}
+#endif
+
+#ifdef HYBRIDKV_ZMM
+// transpose8 of lo (rows 0-7) and hi (rows 8-15), joined: out[j] lane i = row i's dword j, i < 16.
+inline void transpose8x16(__m256i* lo, __m256i* hi, __m512i* out) {
+  transpose8(lo);
+  transpose8(hi);
+  for (int j = 0; j < 8; ++j) out[j] = _mm512_inserti64x4(_mm512_castsi256_si512(lo[j]), hi[j], 1);
 }
 #endif
 
