@@ -20,6 +20,7 @@ from tiny import TinyCache
 from hybridkv.errors import NotSupported
 from hybridkv.models import load_model, read_checkpoint, weights_nbytes
 from hybridkv.models.gguf_checkpoint import GGUFCheckpoint, GGUFTensors
+from hybridkv.ops import native
 from hybridkv.ops.quant.linear import float_activations
 
 DATA = Path(__file__).parent.parent / "data" / "gguf"
@@ -223,3 +224,73 @@ def test_what_cannot_be_read_is_named(tmp_path):
     bad = rewrite(DATA / "qwen35-tiny-f32.gguf", tmp_path / "q2k.gguf", tensors=q2k)
     with pytest.raises(NotSupported, match=r"blk\.0\.ffn_down\.weight.*Q2_K"):
         load_model(bad)
+
+
+# The 32-weight types older files and llama.cpp's fallbacks hold (rows not a multiple of 256).
+LEGACY = [
+    GGMLQuantizationType.Q4_0,
+    GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q5_0,
+    GGMLQuantizationType.Q5_1,
+    GGMLQuantizationType.IQ4_NL,
+]
+
+
+def iq4_nl_blocks(x: np.ndarray) -> np.ndarray:
+    """Valid IQ4_NL rows (gguf-py cannot quantize to it): per 32 weights f16 d = max|x| / 113 and
+    each weight's nearest level, packed as Q4_0's nibbles (weight j low, j + 16 high)."""
+    from hybridkv.ops.quant.blocks import IQ4_NL_LEVELS
+
+    levels = np.array(IQ4_NL_LEVELS, np.float32)
+    b = x.reshape(-1, 32)
+    d = (np.abs(b).max(axis=1) / 113).astype(np.float16)
+    codes = np.abs(b[:, :, None] - d.astype(np.float32)[:, None, None] * levels).argmin(-1).astype(np.uint8)
+    packed = codes[:, :16] | (codes[:, 16:] << 4)
+    out = np.concatenate([d.view(np.uint8).reshape(-1, 2), packed], axis=1)
+    return out.reshape(*x.shape[:-1], x.shape[-1] // 32 * 18)
+
+
+def kept_block_types(model) -> set[str]:
+    """The ggml type names of the blocks a loaded model holds."""
+    from hybridkv.ops.quant import QuantizedWeight
+    from hybridkv.ops.quant.linear import QuantExperts, QuantLinear
+
+    held = [v for m in model.modules() for v in vars(m).values()]
+    parts = [p for v in held if isinstance(v, (QuantLinear, QuantExperts)) for p in v.parts]
+    return {w.btype.name for w in held + parts if isinstance(w, QuantizedWeight)}
+
+
+def test_a_file_of_the_32_weight_types_gives_transformers_logits_on_its_dequantized_weights(tmp_path, monkeypatch):
+    """Every matrix whose rows fit (embeddings, head, attention, Gated DeltaNet, routed and shared
+    experts) in Q4_0, Q4_1, Q5_0, Q5_1 or IQ4_NL in turn (gguf-py's quantizer), on the MoE fixture:
+    computed on its blocks, equal to transformers on the dequantized weights; with 8-bit activations
+    (the default) the same next tokens, and the same logits as the kernels' PyTorch twins."""
+    import gguf
+
+    chosen: dict[str, GGMLQuantizationType] = {}
+
+    def tensors(name: str, data, kind):
+        if data.ndim < 2 or data.shape[-1] % 32 or name.endswith(("ssm_conv1d.weight", "ffn_gate_inp_shexp.weight")):
+            return [(name, data, kind)]
+        kind = LEGACY[len(chosen) % len(LEGACY)]
+        chosen[name] = kind
+        blocks = iq4_nl_blocks(data) if kind == GGMLQuantizationType.IQ4_NL else gguf.quants.quantize(data, kind)
+        return [(name, blocks, kind)]
+
+    path = rewrite(DATA / "qwen35moe-tiny-f32.gguf", tmp_path / "legacy.gguf", tensors=tensors)
+    assert set(chosen.values()) == set(LEGACY) and len(chosen) > 20
+    reader = {t.name: t for t in GGUFReader(path).tensors}
+    for name in chosen:  # our reading of each block type is gguf-py's
+        assert torch.equal(GGUFTensors(path).read_float(name), gguf_dequantize(reader[name])), name
+    model = load_model(path)
+    assert kept_block_types(model) == {t.name for t in LEGACY}  # computed on, not dequantized at load
+    hf = transformers.AutoModelForCausalLM.from_pretrained(dequantized_checkpoint(path, tmp_path)).eval()
+    tokens, _ = golden("qwen35moe-tiny")
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor([tokens]), use_cache=False).logits[0].float()
+    with float_activations():
+        assert_close(run(model, tokens), want)
+    int8 = run(model, tokens)  # 8-bit activations: the next tokens, and the PyTorch twins' numbers
+    assert torch.equal(int8.argmax(-1), want.argmax(-1))
+    monkeypatch.setattr(native, "disabled", True)
+    assert_close(int8, run(model, tokens), tol=1e-5)
