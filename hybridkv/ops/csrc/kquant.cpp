@@ -359,14 +359,33 @@ ALWAYS_INLINE void unpack(Q6K, const uint8_t* w, Unpacked& u) {
   store(u.mins, _mm256_slli_epi16(_mm256_cvtepi8_epi16(sc), 5));  // 32·sc_j: |.| <= 4096 fits i16
 }
 
+// An unpacked super-block in registers: 8 vectors of 32 codes and their i16 scales. Held across
+// the activation rows that meet it, it leaves each row's product 8 activation loads (with the
+// codes and scales reloaded from memory for every row, the load ports were the limit).
+struct Held {
+  __m256i codes[8], scales[8];
+};
+
+ALWAYS_INLINE Held hold(const Unpacked& u) {
+  Held h;
+  for (int k = 0; k < 8; ++k) h.codes[k] = load(u.codes + 32 * k), h.scales[k] = load(u.scales[k]);
+  return h;
+}
+
 // S (8 lanes) of an unpacked weight super-block with one activation super-block.
-ALWAYS_INLINE __m256i unpacked_dot(const Unpacked& u, const int8_t* a) {
-  __m256i s = _mm256_setzero_si256();
-  for (int k = 0; k < 8; ++k) {
-    const __m256i pairs = _mm256_maddubs_epi16(load(u.codes + 32 * k), load(a + 32 * k));
-    s = _mm256_add_epi32(s, _mm256_madd_epi16(load(u.scales[k]), pairs));
+ALWAYS_INLINE __m256i unpacked_dot(const Held& h, const int8_t* a) {
+  __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+  for (int k = 0; k < 8; k += 2) {
+#ifdef HYBRIDKV_VNNI
+    s0 = hybridkv::dpwssd(s0, h.scales[k], _mm256_maddubs_epi16(h.codes[k], load(a + 32 * k)));
+    s1 = hybridkv::dpwssd(s1, h.scales[k + 1], _mm256_maddubs_epi16(h.codes[k + 1], load(a + 32 * k + 32)));
+#else
+    s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(h.scales[k], _mm256_maddubs_epi16(h.codes[k], load(a + 32 * k))));
+    s1 = _mm256_add_epi32(
+        s1, _mm256_madd_epi16(h.scales[k + 1], _mm256_maddubs_epi16(h.codes[k + 1], load(a + 32 * k + 32))));
+#endif
   }
-  return s;
+  return _mm256_add_epi32(s0, s1);
 }
 
 inline int32_t hsum_i32(__m256i v) {
@@ -502,9 +521,10 @@ void sums_impl(const int8_t* a, const int16_t* bs, int64_t T, int64_t K, const u
           if (T >= 2) {  // as matmul_impl
             Unpacked u;
             unpack(KT{}, wb, u);
+            const Held h = hold(u);
             for (int64_t t = 0; t < T; ++t) {
               int32_t* o = out + ((t * N + n) * nb + b) * 2;
-              o[0] = hsum_i32(unpacked_dot(u, a + t * K + b * QK_K));
+              o[0] = hsum_i32(unpacked_dot(h, a + t * K + b * QK_K));
               o[1] = hsum_i32(_mm256_madd_epi16(load(u.mins), load(&xs[(t * nb + b) * 16])));
             }
             continue;
@@ -535,11 +555,13 @@ void rows_dot_unpacked(const uint8_t* w, int64_t nb, int64_t K, const int8_t* a,
       for (int line = 0; line < KT::bytes; line += 64)
         _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetch + line), _MM_HINT_T0);
     unpack(KT{}, wb, u);
+    const Held h = hold(u);
+    const __m256i mins = load(u.mins);
     const float dw = fp16(wb + KT::d_at), dminw = KT::mins_in_d ? 0.f : fp16(wb + KT::dmin_at);
     for (int64_t r = 0; r < n; ++r) {
       const int64_t t = rows[r];
-      const __m256i s = unpacked_dot(u, a + t * K + b * QK_K);
-      const __m256i m = _mm256_madd_epi16(load(u.mins), load(&xs[(t * nb + b) * 16]));
+      const __m256i s = unpacked_dot(h, a + t * K + b * QK_K);
+      const __m256i m = _mm256_madd_epi16(mins, load(&xs[(t * nb + b) * 16]));
       const float d = dw * dx[t * nb + b];
       if constexpr (KT::mins_in_d) {
         acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_sub_epi32(s, m)), acc[r]);
