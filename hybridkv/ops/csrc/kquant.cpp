@@ -275,27 +275,27 @@ inline __m256i pair_scale(__m128i sc, int j) {
   return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, _mm_set_epi64x(ones * (j + 1), ones * j)));
 }
 
+// Half h of a Q6_K super-block: its 128 codes (weights l, l+32, l+64, l+96 of the half in q[0..3]),
+// the top 2 bits from qh bits 0–1, 2–3, 4–5, 6–7 moved to bits 4–5 (16-bit shifts: what crosses
+// a byte lands outside the mask).
+ALWAYS_INLINE void q6_codes(const uint8_t* w, int h, __m256i q[4]) {
+  const __m256i m15 = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30);
+  const __m256i ql0 = load(w + 64 * h), ql1 = load(w + 64 * h + 32), qh = load(w + 128 + 32 * h);
+  q[0] = _mm256_or_si256(_mm256_and_si256(ql0, m15), _mm256_and_si256(_mm256_slli_epi16(qh, 4), top));
+  q[1] = _mm256_or_si256(_mm256_and_si256(ql1, m15), _mm256_and_si256(_mm256_slli_epi16(qh, 2), top));
+  q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m15), _mm256_and_si256(qh, top));
+  q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m15),
+                         _mm256_and_si256(_mm256_srli_epi16(qh, 2), top));
+}
+
 ALWAYS_INLINE void Q6K::avx2(const uint8_t* w, const int8_t* a, const int16_t* xs, __m256i& s, __m256i& m) {
   const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192));
-  const __m256i m15 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
   s = _mm256_setzero_si256();
   for (int h = 0; h < 2; ++h) {
-    const __m256i ql0 = load(w + 64 * h), ql1 = load(w + 64 * h + 32), qh = load(w + 128 + 32 * h);
-    const int8_t* x = a + 128 * h;
-    // Top 2 bits of weights l, l+32, l+64, l+96 from qh bits 0–1, 2–3, 4–5, 6–7, moved to bits 4–5.
-    const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4);
-    const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4);
-    const __m256i h2 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m3), 4);
-    const __m256i h3 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4);
-    const __m256i q0 = _mm256_or_si256(_mm256_and_si256(ql0, m15), h0);
-    const __m256i q1 = _mm256_or_si256(_mm256_and_si256(ql1, m15), h1);
-    const __m256i q2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m15), h2);
-    const __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m15), h3);
-    const int is = 8 * h;
-    s = _mm256_add_epi32(s, times_scale(q0, x, pair_scale(sc, is)));
-    s = _mm256_add_epi32(s, times_scale(q1, x + 32, pair_scale(sc, is + 2)));
-    s = _mm256_add_epi32(s, times_scale(q2, x + 64, pair_scale(sc, is + 4)));
-    s = _mm256_add_epi32(s, times_scale(q3, x + 96, pair_scale(sc, is + 6)));
+    __m256i q[4];
+    q6_codes(w, h, q);
+    for (int i = 0; i < 4; ++i)
+      s = _mm256_add_epi32(s, times_scale(q[i], a + 128 * h + 32 * i, pair_scale(sc, 8 * h + 2 * i)));
   }
   m = _mm256_slli_epi32(_mm256_madd_epi16(load(xs), _mm256_cvtepi8_epi16(sc)), 5);  // 32·Σ sc_j·bsum_j
 }
@@ -343,18 +343,13 @@ ALWAYS_INLINE void unpack(Q5K, const uint8_t* w, Unpacked& u) {
 
 ALWAYS_INLINE void unpack(Q6K, const uint8_t* w, Unpacked& u) {
   const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192));
-  const __m256i m15 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
   for (int h = 0; h < 2; ++h) {
-    const __m256i ql0 = load(w + 64 * h), ql1 = load(w + 64 * h + 32), qh = load(w + 128 + 32 * h);
-    uint8_t* q = u.codes + 128 * h;
-    store(q, _mm256_or_si256(_mm256_and_si256(ql0, m15), _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4)));
-    store(q + 32, _mm256_or_si256(_mm256_and_si256(ql1, m15),
-                                  _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4)));
-    store(q + 64, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m15),
-                                  _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m3), 4)));
-    store(q + 96, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m15),
-                                  _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4)));
-    for (int i = 0; i < 4; ++i) store(u.scales[4 * h + i], pair_scale(sc, 8 * h + 2 * i));
+    __m256i q[4];
+    q6_codes(w, h, q);
+    for (int i = 0; i < 4; ++i) {
+      store(u.codes + 128 * h + 32 * i, q[i]);
+      store(u.scales[4 * h + i], pair_scale(sc, 8 * h + 2 * i));
+    }
   }
   store(u.mins, _mm256_slli_epi16(_mm256_cvtepi8_epi16(sc), 5));  // 32·sc_j: |.| <= 4096 fits i16
 }
