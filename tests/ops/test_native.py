@@ -57,6 +57,17 @@ def test_rows_matmul_t_bf16_weights_match_the_upcast_product(T: int) -> None:
     assert_close(native.rows_matmul_t(x, w), F.linear(x, w.float()), rel=1e-5 * 96**0.5)
 
 
+@pytest.mark.parametrize("T", [1, 2, 3, 5])
+@pytest.mark.parametrize(("N", "D"), [(300, 96), (9001, 70), (13, 1024)])
+def test_rows_matmul_t_bf16_activations_and_weights_match_the_float64_product(T: int, N: int, D: int) -> None:
+    """Both in bfloat16: the pair products of AVX512-BF16 where the CPU has it (D in 32s, and a
+    tail), else the widening path; the same exact products either way, summed in float32."""
+    gen = torch.Generator().manual_seed(T * 7 + N)
+    x, w = torch.randn(T, D, generator=gen).bfloat16(), torch.randn(N, D, generator=gen).bfloat16()
+    want = (x.double() @ w.double().T).float()
+    assert_close(native.rows_matmul_t(x, w), want, rel=1e-5 * D**0.5)
+
+
 @pytest.mark.parametrize("widen_block", [8192, 7])  # one block, and blocks with a ragged last one
 def test_bf16_prefill_products_without_a_bf16_gemm_run_in_float32(monkeypatch, widen_block: int) -> None:
     from hybridkv.ops import matmul
