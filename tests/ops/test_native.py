@@ -34,10 +34,12 @@ def test_rows_matmul_equals_matmul(T: int, D: int, N: int) -> None:
     assert_close(native.rows_matmul(x, w), x @ w, rel=1e-5 * D**0.5)
 
 
-@pytest.mark.parametrize("T", [1, 3, 4, 8, 16])  # split-depth up to 8 rows; 64-column tiles beyond
-def test_rows_matmul_bf16_weights_match_the_upcast_product(T: int) -> None:
+# split-depth up to 8 rows (one row: rows of w shorter than a page one at a time, longer 4 at a
+# time); 64-column tiles beyond
+@pytest.mark.parametrize(("T", "N"), [(1, 300), (1, 8200), (3, 300), (4, 300), (8, 300), (16, 300)])
+def test_rows_matmul_bf16_weights_match_the_upcast_product(T: int, N: int) -> None:
     gen = torch.Generator().manual_seed(T)
-    x, w = torch.randn(T, 96, generator=gen), torch.randn(96, 300 if T > 1 else 8200, generator=gen).bfloat16()
+    x, w = torch.randn(T, 96, generator=gen), torch.randn(96, N, generator=gen).bfloat16()
     assert_close(native.rows_matmul(x, w), x @ w.float(), rel=1e-5 * 96**0.5)
 
 
