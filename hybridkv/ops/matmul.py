@@ -63,7 +63,8 @@ def mm_t(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
     Up to FEW_ROWS rows: the C++ kernel (`native.rows_matmul_t`) reads each row of w once for all
     rows of x (MKL's F.linear reads the weight again per row or two: 1.7-2.9x slower at 2-16 rows)
-    and widens bfloat16 weights in registers. Otherwise F.linear in w's dtype (bfloat16 without a
+    and widens bfloat16 weights in registers (a bfloat16 x meets them in AVX512-BF16 pairs where the
+    CPU has them). Otherwise F.linear in w's dtype (bfloat16 without a
     fast bfloat16 GEMM: in float32, a block of w's rows widened at a time).
     """
     if x.shape[0] <= FEW_ROWS and native.enabled(x, w):

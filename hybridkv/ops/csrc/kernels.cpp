@@ -516,7 +516,7 @@ at::Tensor rows_matmul_t(const at::Tensor& x_in, const at::Tensor& w) {
   // One weight row after another, each whole: one stream, which the hardware prefetcher follows
   // best. 8 rows side by side (the tiles) win only where several rows of x share each weight
   // vector and the rows are at least a page long (float32 at D >= 1024). Measured on Zen 4 over
-  // a 248k-row head: one row of x 1.3x faster (float32) and 1.9x (bfloat16, 2 KiB rows); 2-3 rows
+  // a 248k-row head: one row of x 1.3x faster (float32) and 1.8x (bfloat16, 2 KiB rows); 2-3 rows
   // of x on 2 KiB rows 1.7x; float32 rows at 2+ rows of x 1.1-1.8x slower.
   const bool one_stream = T == 1 || D * static_cast<int64_t>(w.element_size()) < 4096;
   auto stream = [&](const auto* xp, const auto* wp) {
