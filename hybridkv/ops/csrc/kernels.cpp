@@ -523,12 +523,8 @@ at::Tensor rows_matmul_t(const at::Tensor& x_in, const at::Tensor& w) {
     at::parallel_for(0, (N + GROUP - 1) / GROUP, 64, [&](int64_t begin, int64_t end) {
       const int64_t stop = std::min(N, end * GROUP);
       for (int64_t n = begin * GROUP; n < stop;) {
-        const int64_t left = stop - n;
-        if (one_stream) {
-          for (int64_t t = 0; t < T; t += 3)
-            dot_rows<1>(static_cast<int>(std::min<int64_t>(3, T - t)), xp + t * D, D, wp + n * D, yp + t * N + n, N);
-          n += 1;
-        } else if (LANES == 16 && left >= 8) {  // 8 x 3 sums + 8 weight vectors: 32 registers
+        const int64_t left = one_stream ? 0 : stop - n;  // one stream: always the one-row form below
+        if (LANES == 16 && left >= 8) {  // 8 x 3 sums + 8 weight vectors: 32 registers
           for (int64_t t = 0; t < T; t += 3)
             dot_rows<8>(static_cast<int>(std::min<int64_t>(3, T - t)), xp + t * D, D, wp + n * D, yp + t * N + n, N);
           n += 8;

@@ -29,7 +29,6 @@
 #include "experts.h"
 #include "simd.h"
 
-
 namespace {
 
 constexpr int QK8 = 32;
