@@ -33,6 +33,7 @@ from hybridkv.models.config import ModelConfig
 from hybridkv.models.gguf_checkpoint import GGUFTensors
 from hybridkv.ops.quant import QuantizedWeight, block_type
 from hybridkv.ops.quant.linear import Part, QuantExperts, QuantLinear, quant_parts
+from hybridkv.ops.quant.weight import for_kernels
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +127,7 @@ def _part(file: GGUFTensors, rows: Rows, dtype: torch.dtype) -> Part:
         blocks = raw_blocks(file, rows.name)
         if rows.index is not None:
             blocks = blocks.index_select(-2, rows.index)
-        return QuantizedWeight.of(blocks, info.type_id, shape)
+        return for_kernels(QuantizedWeight.of(blocks, info.type_id, shape))
     w = file.read_float(rows.name).reshape(shape)
     if rows.index is not None:
         w = w.index_select(-2, rows.index)
@@ -142,7 +143,8 @@ def build(file: GGUFTensors, pieces: list[Rows], dtype: torch.dtype) -> QuantLin
     parts = [_part(file, p, dtype) for p in pieces]
     joined = quant_parts(parts)
     for piece, part in zip(pieces, parts, strict=True):
-        if not isinstance(part, QuantizedWeight) or piece.index is not None or len(joined) < len(parts):
+        copied = not isinstance(part, QuantizedWeight) or part.btype.ggml_type != file.file.tensors[piece.name].type_id
+        if copied or piece.index is not None or len(joined) < len(parts):
             file.file.release(piece.name)
     experts = len(file.file.tensors[pieces[0].name].shape) == 3
     return QuantExperts(joined) if experts else QuantLinear(joined)
@@ -158,7 +160,9 @@ def attach(model: torch.nn.Module, file: GGUFTensors, config: ModelConfig, dtype
         if name == "embed":
             info = file.file.tensors[pieces[0].name]
             if kept_in_blocks(info.type_id):
-                held = QuantizedWeight.of(raw_blocks(file, info.name), info.type_id)
+                held = for_kernels(QuantizedWeight.of(raw_blocks(file, info.name), info.type_id))
+                if held.btype.ggml_type != info.type_id:  # repacked: a copy
+                    file.file.release(info.name)
         else:
             held = build(file, pieces, dtype)
         if held is None:

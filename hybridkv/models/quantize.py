@@ -19,6 +19,7 @@ from hybridkv.ops.quant import QuantizedWeight
 from hybridkv.ops.quant.linear import Part, QuantExperts, QuantLinear
 from hybridkv.ops.quant.quantize import QUANTIZE_TYPES, quantize
 from hybridkv.ops.quant.traits import GGMLType
+from hybridkv.ops.quant.weight import for_kernels
 
 
 def quantize_type(name: str) -> GGMLType:
@@ -37,7 +38,7 @@ def _blocks(w: torch.Tensor, type_id: GGMLType) -> Part:
     if type_id == GGMLType.F16:
         return w
     rows = w.detach().transpose(-1, -2)
-    return QuantizedWeight.of(quantize(rows, type_id), type_id, tuple(rows.shape))
+    return for_kernels(QuantizedWeight.of(quantize(rows, type_id), type_id, tuple(rows.shape)))
 
 
 def _replace(module: torch.nn.Module, attr: str, held: object) -> None:

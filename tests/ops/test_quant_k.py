@@ -13,8 +13,12 @@ from test_quant import gguf_dequantize, random_rows
 
 from hybridkv.ops import native
 from hybridkv.ops.quant import GGMLType, QuantizedWeight, block_type, int8_dot, k_dot
+from hybridkv.ops.quant import blocks as block_fns
+from hybridkv.ops.quant.weight import for_kernels
 
 K_QUANTS = [GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
+# The kernels' types: the file's, and Q4_K as repacked at load (checked against Q4_K's emulation).
+KERNEL_TYPES = [*K_QUANTS, GGMLType.Q4_K_R]
 SHAPES = [(1, 256, 1), (1, 4096, 37), (3, 768, 5), (7, 512, 17), (32, 256, 9), (70, 256, 45)]  # (T, K, N)
 # 70 x 45: two tiles of activation rows; with 32+ rows, two groups of 16 weight rows (AVX-512), 8, then 5 one by one
 
@@ -116,6 +120,17 @@ def weight_rows(t: GGMLType, N: int, K: int, seed: int) -> np.ndarray:
     return random_rows(block_type(t), (N,), K, seed)
 
 
+def file_type(t: GGMLType) -> GGMLType:
+    """The type the emulation reads for a kernel type (Q4_K_R: Q4_K, whose bytes it permutes)."""
+    return GGMLType.Q4_K if t == GGMLType.Q4_K_R else t
+
+
+def kernel_rows(t: GGMLType, rows: np.ndarray) -> torch.Tensor:
+    """File rows of `file_type(t)` as the kernels of type t read them."""
+    w = torch.from_numpy(rows)
+    return block_fns.repack_q4_k(w) if t == GGMLType.Q4_K_R else w
+
+
 # --- Q8_K activations --------------------------------------------------------------------------
 
 
@@ -140,13 +155,13 @@ def test_q8_k_blocks_match_the_emulation(T: int, K: int) -> None:
 # --- integer sums and float results ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("t", K_QUANTS, ids=lambda t: t.name)
+@pytest.mark.parametrize("t", KERNEL_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize(("T", "K", "N"), SHAPES)
 def test_integer_sums_equal_the_emulation_exactly(t: GGMLType, T: int, K: int, N: int) -> None:
     x = activations(T, K, seed=N)
-    rows = weight_rows(t, N, K, seed=T)
-    want_sub, want_sums, _ = emulate(x.numpy(), rows, t)
-    xq, w = k_dot.quantize_rows_q8_k(x), torch.from_numpy(rows)
+    rows = weight_rows(file_type(t), N, K, seed=T)
+    want_sub, want_sums, _ = emulate(x.numpy(), rows, file_type(t))
+    xq, w = k_dot.quantize_rows_q8_k(x), kernel_rows(t, rows)
     assert np.array_equal(k_dot.sub_block_sums(xq, k_dot.split_k(w, t)).numpy(), want_sub)
     assert np.array_equal(k_dot.superblock_sums(xq, k_dot.split_k(w, t)).numpy(), want_sums)
     for isa in k_dot.available_isas():
@@ -164,13 +179,13 @@ def test_q6_k_sums_are_llama_cpp_generic_signed_ones() -> None:
     assert np.array_equal((signed * sc).sum(-1), sums[..., 0] - sums[..., 1])
 
 
-@pytest.mark.parametrize("t", K_QUANTS, ids=lambda t: t.name)
+@pytest.mark.parametrize("t", KERNEL_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize(("T", "K", "N"), SHAPES)
 def test_matmul_within_rounding_of_the_emulation(t: GGMLType, T: int, K: int, N: int) -> None:
     x = activations(T, K, seed=N)
-    rows = weight_rows(t, N, K, seed=T)
-    want = torch.from_numpy(emulate(x.numpy(), rows, t)[2])
-    w = torch.from_numpy(rows)
+    rows = weight_rows(file_type(t), N, K, seed=T)
+    want = torch.from_numpy(emulate(x.numpy(), rows, file_type(t))[2])
+    w = kernel_rows(t, rows)
     assert_close(k_dot.k_matmul_twin(x, w, t), want, rel=1e-6)
     for isa in k_dot.available_isas():
         assert_close(k_dot.native_k_matmul(x, w, t, isa), want, rel=1e-6)
@@ -192,25 +207,25 @@ def test_matmul_is_float64_on_gguf_weights_and_q8_k_activations(t: GGMLType, T: 
 
 
 @pytest.mark.skipif(native.kernels() is None, reason="C++ kernels could not be built here")
-@pytest.mark.parametrize("t", K_QUANTS, ids=lambda t: t.name)
+@pytest.mark.parametrize("t", KERNEL_TYPES, ids=lambda t: t.name)
 def test_experts_matmul_equals_each_tokens_product_on_its_expert(t: GGMLType) -> None:
     """Expert 0 meets 67 tokens (two tiles of the several-token path), expert 1 two, expert 2 one
     (the one-token path)."""
-    E, N, K = 3, 9, 512
-    rows = torch.from_numpy(np.stack([weight_rows(t, N, K, seed=e) for e in range(E)]))
+    E, N, K, f = 3, 9, 512, file_type(t)
+    rows = np.stack([weight_rows(f, N, K, seed=e) for e in range(E)])
     ids = torch.tensor([0] * 33 + [1, 2] + [0] * 34 + [1])
     x = activations(len(ids), K, seed=5)
     want = torch.cat(
-        [torch.from_numpy(emulate(x[p : p + 1].numpy(), rows[e].numpy(), t)[2]) for p, e in enumerate(ids.tolist())]
+        [torch.from_numpy(emulate(x[p : p + 1].numpy(), rows[e], f)[2]) for p, e in enumerate(ids.tolist())]
     )
     for isa in k_dot.available_isas():
-        assert_close(k_dot.native_k_experts_matmul(x, rows, ids, t, isa), want, rel=1e-6)
+        assert_close(k_dot.native_k_experts_matmul(x, kernel_rows(t, rows), ids, t, isa), want, rel=1e-6)
 
 
 # --- the traits table and the weight -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("t", K_QUANTS, ids=lambda t: t.name)
+@pytest.mark.parametrize("t", KERNEL_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("use_native", [True, False], ids=["native", "pytorch"])
 def test_k_quant_weight_matmul_takes_the_integer_path_for_few_rows(
     t: GGMLType, use_native: bool, monkeypatch: pytest.MonkeyPatch
@@ -219,10 +234,10 @@ def test_k_quant_weight_matmul_takes_the_integer_path_for_few_rows(
         pytest.skip("C++ kernels could not be built here")
     monkeypatch.setattr(native, "disabled", not use_native)
     assert block_type(t).vec_dot_type == GGMLType.Q8_K
-    rows = torch.from_numpy(weight_rows(t, 9, 512, seed=0))
-    w = QuantizedWeight.of(rows, t)
+    rows = weight_rows(file_type(t), 9, 512, seed=0)
+    w = QuantizedWeight.of(kernel_rows(t, rows), t)
     few, many = activations(3, 512, seed=1), activations(int8_dot.FEW_ROWS + 1, 512, seed=2)
-    assert_close(w.matmul(few), torch.from_numpy(emulate(few.numpy(), rows.numpy(), t)[2]), rel=1e-6)
+    assert_close(w.matmul(few), torch.from_numpy(emulate(few.numpy(), rows, file_type(t))[2]), rel=1e-6)
     assert torch.equal(w.matmul(many), w.reference_matmul(many))
 
 
@@ -231,9 +246,46 @@ def test_native_k_quant_names_what_does_not_match() -> None:
     x, rows = torch.randn(2, 256), torch.zeros(3, 144, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="activations of 512 features need rows of 288 bytes"):
         k_dot.native_k_matmul(torch.randn(2, 512), rows, GGMLType.Q4_K)
-    with pytest.raises(RuntimeError, match=r"ggml types 12 \(Q4_K\), 13 \(Q5_K\), 14 \(Q6_K\), not 8"):
+    with pytest.raises(RuntimeError, match=r"14 \(Q6_K\) and 1012 \(Q4_K repacked at load\), not 8"):
         k_dot.native_k_matmul(x, rows, GGMLType.Q8_0)
     with pytest.raises(RuntimeError, match="isa 'vnni' is not available"):
         k_dot.native_k_matmul(x, rows, GGMLType.Q4_K, "vnni")
     with pytest.raises(RuntimeError, match="K a multiple of 256"):
         k_dot.native_quantize_rows_q8_k(torch.randn(2, 96))
+
+
+# --- Q4_K repacked at load ---------------------------------------------------------------------
+
+
+def test_q4_k_repack_puts_a_sub_block_in_each_lane_and_undoes_exactly() -> None:
+    rows = torch.from_numpy(weight_rows(GGMLType.Q4_K, 5, 768, seed=3))
+    r = block_fns.repack_q4_k(rows)
+    assert torch.equal(block_fns.unrepack_q4_k(r), rows) and not torch.equal(r, rows)
+    b, rb = rows.reshape(-1, 144), r.reshape(-1, 144)
+    assert torch.equal(rb[:, :16], b[:, :16])  # d, dmin, scales in place
+    codes = block_fns.q4_k_codes(b)  # [B, sub-block, position]
+    # Chunk c, 4-byte lane j: low nibbles sub-block 2(j % 4), high 2(j % 4) + 1, positions 8c + 4(j // 4) + 0..3.
+    lanes = rb[:, 16:].reshape(-1, 4, 8, 4)
+    for c in range(4):
+        for j in range(8):
+            at = 8 * c + 4 * (j // 4)
+            assert torch.equal(lanes[:, c, j] & 15, codes[:, 2 * (j % 4), at : at + 4])
+            assert torch.equal(lanes[:, c, j] >> 4, codes[:, 2 * (j % 4) + 1, at : at + 4])
+    dequantized = block_type(GGMLType.Q4_K_R).dequantize_blocks(rb)
+    assert torch.equal(dequantized, block_type(GGMLType.Q4_K).dequantize_blocks(b))
+    if native.kernels() is not None:  # the C++ twin that repacks at load
+        assert torch.equal(k_dot.native_repack_q4_k(rows), r)
+        assert torch.equal(k_dot.native_repack_q4_k(r, inverse=True), rows)
+
+
+@pytest.mark.parametrize("use_native", [True, False], ids=["native", "pytorch"])
+def test_q4_k_is_repacked_for_the_kernels_only_where_they_run(use_native: bool, monkeypatch: pytest.MonkeyPatch):
+    if use_native and native.kernels() is None:
+        pytest.skip("C++ kernels could not be built here")
+    monkeypatch.setattr(native, "disabled", not use_native)
+    rows = torch.from_numpy(weight_rows(GGMLType.Q4_K, 4, 512, seed=1))
+    w = for_kernels(QuantizedWeight.of(rows, GGMLType.Q4_K))
+    assert w.btype.name == ("Q4_K_R" if use_native else "Q4_K") and w.shape == (4, 512)
+    assert torch.equal(w.dequantize(), QuantizedWeight.of(rows, GGMLType.Q4_K).dequantize())
+    q6 = QuantizedWeight.of(torch.from_numpy(weight_rows(GGMLType.Q6_K, 4, 512, seed=1)), GGMLType.Q6_K)
+    assert for_kernels(q6) is q6

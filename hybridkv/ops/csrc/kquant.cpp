@@ -39,7 +39,8 @@
 namespace {
 
 constexpr int QK_K = 256;
-constexpr int kPrefetch = 4096;  // bytes of weights fetched ahead of the super-block being read
+constexpr int kPrefetch = 4096;
+constexpr int64_t kQ4KR = 1012;  // Q4_K repacked at load (`Q4KR`): hybridkv's id, never in a file  // bytes of weights fetched ahead of the super-block being read
 
 enum class Isa { Scalar, Avx2 };
 
@@ -120,7 +121,7 @@ struct Sums {
 // pair — `scalar` plainly, `avx2` as 8 lanes of S and of M (the lanes add up to S and M).
 struct Q4K {
   static constexpr int bytes = 144, d_at = 0, dmin_at = 2;
-  static constexpr bool mins_in_d = false;
+  static constexpr bool mins_in_d = false, permuted = false;
 
   // The activation sums the mins multiply: [0 x 8 | sub-block j's sum, a pair of bsums, x 8].
   static void min_sums(const int16_t* bsums, int16_t* xs) {
@@ -151,7 +152,7 @@ struct Q4K {
 
 struct Q5K {
   static constexpr int bytes = 176, d_at = 0, dmin_at = 2;
-  static constexpr bool mins_in_d = false;
+  static constexpr bool mins_in_d = false, permuted = false;
 
   static void min_sums(const int16_t* bsums, int16_t* xs) { Q4K::min_sums(bsums, xs); }
 
@@ -179,7 +180,7 @@ struct Q5K {
 
 struct Q6K {
   static constexpr int bytes = 210, d_at = 208, dmin_at = -1;
-  static constexpr bool mins_in_d = true;
+  static constexpr bool mins_in_d = true, permuted = false;
 
   static void min_sums(const int16_t* bsums, int16_t* xs) { std::memcpy(xs, bsums, 16 * sizeof(int16_t)); }
 
@@ -203,6 +204,56 @@ struct Q6K {
     return r;
   }
 #ifdef __AVX2__
+  ALWAYS_INLINE static void avx2(const uint8_t* w, const int8_t* a, const int16_t* xs, __m256i& s, __m256i& m);
+#endif
+};
+
+// Q4_K as repacked in memory at load (ggml type 12's bytes, never written to a file; id
+// `kQ4KR`): d, dmin and the 12 scale bytes as in Q4_K, the 128 code bytes permuted in 4-byte
+// groups so that a 32-byte chunk's lanes hold different sub-blocks. Chunk c's lane j (bytes
+// 4j..4j+3) is Q4_K's chunk j%4, bytes 4·(2c + j/4)..+3: low nibbles sub-block 2·(j%4), high
+// nibbles sub-block 2·(j%4)+1, positions 8c + 4·(j/4) + b. One-row products then take each
+// sub-block's scale per lane (one i32 multiply per chunk half after `dpbusd`, instead of a scale
+// shuffle, a `madd` and an add per 32 codes), on activations put in the same order once per row
+// (`permute`); the other paths unpack the chunks back to Q4_K's order (`unpack`). The exact same
+// integers S and M as Q4_K.
+struct Q4KR {
+  static constexpr int bytes = 144, d_at = 0, dmin_at = 2;
+  static constexpr bool mins_in_d = false, permuted = true;
+
+  static void min_sums(const int16_t* bsums, int16_t* xs) { Q4K::min_sums(bsums, xs); }
+
+  // Code of sub-block s at position p (0..31).
+  static int code(const uint8_t* w, int s, int p) {
+    const int c = p / 8, j = s / 2 + 4 * ((p % 8) / 4);
+    return (w[16 + 32 * c + 4 * j + p % 4] >> (4 * (s % 2))) & 15;
+  }
+
+  // One activation super-block in the order the one-row product reads it: for chunk c, 32 bytes
+  // against the low nibbles, then 32 against the high ones.
+  static void permute(const int8_t* a, int8_t* ap) {
+    for (int c = 0; c < 4; ++c)
+      for (int j = 0; j < 8; ++j)
+        for (int half = 0; half < 2; ++half)
+          std::memcpy(ap + 64 * c + 32 * half + 4 * j, a + 32 * (2 * (j % 4) + half) + 8 * c + 4 * (j / 4), 4);
+  }
+
+  // On activations in Q4_K's order (the plain loop does not need them permuted).
+  ALWAYS_INLINE static Sums scalar(const uint8_t* w, const int8_t* a, const int16_t* xs) {
+    uint32_t u[4];
+    k4_scales_mins(w + 4, u);
+    const auto* sc = reinterpret_cast<const uint8_t*>(u);
+    Sums r{0, 0};
+    for (int s = 0; s < 8; ++s) {
+      int32_t dot = 0;
+      for (int p = 0; p < 32; ++p) dot += code(w, s, p) * a[32 * s + p];
+      r.s += sc[s] * dot;
+    }
+    for (int j = 8; j < 16; ++j) r.m += sc[j] * xs[j];
+    return r;
+  }
+#ifdef __AVX2__
+  // a: `permute`d activations.
   ALWAYS_INLINE static void avx2(const uint8_t* w, const int8_t* a, const int16_t* xs, __m256i& s, __m256i& m);
 #endif
 };
@@ -247,6 +298,35 @@ ALWAYS_INLINE void Q4K::avx2(const uint8_t* w, const int8_t* a, const int16_t* x
     s = _mm256_add_epi32(s, times_scale(lo, a + 64 * c, scale_of(scales, 2 * c)));
     s = _mm256_add_epi32(s, times_scale(hi, a + 64 * c + 32, scale_of(scales, 2 * c + 1)));
   }
+  m = _mm256_madd_epi16(sm, load(xs));
+}
+
+// Lanes j of `scales` (i16 sc_0..7 in the low half) as i32: sc_{2(j%4)+odd}.
+inline __m256i lane_scales(__m256i scales, int odd) {
+  const __m128i pick = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 0, 1, 4, 5, 8, 9, 12, 13);
+  return _mm256_cvtepu16_epi32(
+      _mm_shuffle_epi8(_mm256_castsi256_si128(scales), _mm_add_epi8(pick, _mm_set1_epi8(static_cast<char>(2 * odd)))));
+}
+
+// acc + the i32 sums of each 4 codes (u8) × activations (s8).
+inline __m256i dot4(__m256i acc, __m256i codes, const int8_t* a) {
+#ifdef HYBRIDKV_VNNI
+  return hybridkv::dpbusd(acc, codes, load(a));
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, load(a)), _mm256_set1_epi16(1)));
+#endif
+}
+
+ALWAYS_INLINE void Q4KR::avx2(const uint8_t* w, const int8_t* a, const int16_t* xs, __m256i& s, __m256i& m) {
+  const __m256i sm = k4_scales_mins16(w);
+  const __m256i m4 = _mm256_set1_epi8(15);
+  __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
+  for (int c = 0; c < 4; ++c) {
+    const __m256i bits = load(w + 16 + 32 * c);
+    even = dot4(even, _mm256_and_si256(bits, m4), a + 64 * c);
+    odd = dot4(odd, _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4), a + 64 * c + 32);
+  }
+  s = _mm256_add_epi32(_mm256_mullo_epi32(even, lane_scales(sm, 0)), _mm256_mullo_epi32(odd, lane_scales(sm, 1)));
   m = _mm256_madd_epi16(sm, load(xs));
 }
 
@@ -312,17 +392,37 @@ struct alignas(32) Unpacked {
 
 inline void store(void* p, __m256i v) { _mm256_storeu_si256(static_cast<__m256i*>(p), v); }
 
-ALWAYS_INLINE void unpack(Q4K, const uint8_t* w, Unpacked& u) {
+// Q4_K's four 32-byte code chunks (bits) and its scales → `Unpacked`.
+ALWAYS_INLINE void unpack_q4k(const uint8_t* w, const __m256i bits[4], Unpacked& u) {
   const __m256i sm = k4_scales_mins16(w);
   const __m256i scales = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sm));
   const __m256i m4 = _mm256_set1_epi8(15);
   for (int c = 0; c < 4; ++c) {
-    const __m256i bits = load(w + 16 + 32 * c);
-    store(u.codes + 64 * c, _mm256_and_si256(bits, m4));
-    store(u.codes + 64 * c + 32, _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4));
+    store(u.codes + 64 * c, _mm256_and_si256(bits[c], m4));
+    store(u.codes + 64 * c + 32, _mm256_and_si256(_mm256_srli_epi16(bits[c], 4), m4));
   }
   for (int k = 0; k < 8; ++k) store(u.scales[k], scale_of(scales, k));
   store(u.mins, sm);
+}
+
+ALWAYS_INLINE void unpack(Q4K, const uint8_t* w, Unpacked& u) {
+  const __m256i bits[4] = {load(w + 16), load(w + 48), load(w + 80), load(w + 112)};
+  unpack_q4k(w, bits, u);
+}
+
+// Q4KR's chunks back in Q4_K's order: lane j of chunk c is Q4_K chunk j%4's 4-byte group 2c + j/4,
+// so after pairing lanes j, j+4 (group 2c, 2c+1 of chunk j%4: 8-byte group c), Q4_K chunk k is the
+// 8-byte groups k of the four chunks.
+ALWAYS_INLINE void unpack(Q4KR, const uint8_t* w, Unpacked& u) {
+  const __m256i pair = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  __m256i g[4];
+  for (int c = 0; c < 4; ++c) g[c] = _mm256_permutevar8x32_epi32(load(w + 16 + 32 * c), pair);
+  const __m256i lo01 = _mm256_unpacklo_epi64(g[0], g[1]), hi01 = _mm256_unpackhi_epi64(g[0], g[1]);
+  const __m256i lo23 = _mm256_unpacklo_epi64(g[2], g[3]), hi23 = _mm256_unpackhi_epi64(g[2], g[3]);
+  const __m256i bits[4] = {
+      _mm256_permute2x128_si256(lo01, lo23, 0x20), _mm256_permute2x128_si256(hi01, hi23, 0x20),
+      _mm256_permute2x128_si256(lo01, lo23, 0x31), _mm256_permute2x128_si256(hi01, hi23, 0x31)};
+  unpack_q4k(w, bits, u);
 }
 
 ALWAYS_INLINE void unpack(Q5K, const uint8_t* w, Unpacked& u) {
@@ -404,6 +504,18 @@ std::vector<int16_t> min_sums_of(const int16_t* bsums, int64_t superblocks) {
   std::vector<int16_t> xs(superblocks * 16);
   for (int64_t i = 0; i < superblocks; ++i) KT::min_sums(bsums + i * 16, xs.data() + i * 16);
   return xs;
+}
+
+// The activation rows (`superblocks` of them in all, from a) in the order KT's one-row product
+// reads them on code path I: a itself, or a copy in `buf` for a repacked type (`KT::permute`).
+template <class KT, Isa I>
+const int8_t* one_row_order(const int8_t* a, int64_t superblocks, std::vector<int8_t>& buf) {
+  if constexpr (KT::permuted && I == Isa::Avx2) {
+    buf.resize(superblocks * QK_K);
+    for (int64_t i = 0; i < superblocks; ++i) KT::permute(a + i * QK_K, buf.data() + i * QK_K);
+    return buf.data();
+  }
+  return a;
 }
 
 template <class KT, Isa I>
@@ -488,8 +600,10 @@ int block_bytes(int64_t ggml_type) {
     case 12: return Q4K::bytes;
     case 13: return Q5K::bytes;
     case 14: return Q6K::bytes;
+    case kQ4KR: return Q4KR::bytes;
   }
-  TORCH_CHECK(false, "K-quant kernels take ggml types 12 (Q4_K), 13 (Q5_K), 14 (Q6_K), not ", ggml_type);
+  TORCH_CHECK(false, "K-quant kernels take ggml types 12 (Q4_K), 13 (Q5_K), 14 (Q6_K) and ", kQ4KR,
+              " (Q4_K repacked at load), not ", ggml_type);
   return 0;
 }
 
@@ -507,6 +621,8 @@ template <class KT, Isa I>
 void sums_impl(const int8_t* a, const int16_t* bs, int64_t T, int64_t K, const uint8_t* w, int64_t N, int32_t* out) {
   const int64_t nb = K / QK_K;
   const std::vector<int16_t> xs = min_sums_of<KT>(bs, T * nb);
+  std::vector<int8_t> buf;
+  const int8_t* a1 = one_row_order<KT, I>(a, T * nb, buf);
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t b = 0; b < nb; ++b) {
@@ -527,7 +643,7 @@ void sums_impl(const int8_t* a, const int16_t* bs, int64_t T, int64_t K, const u
         }
 #endif
         for (int64_t t = 0; t < T; ++t) {
-          const Sums r = superblock<KT, I>(wb, a + t * K + b * QK_K, &xs[(t * nb + b) * 16]);
+          const Sums r = superblock<KT, I>(wb, a1 + t * K + b * QK_K, &xs[(t * nb + b) * 16]);
           int32_t* o = out + ((t * N + n) * nb + b) * 2;
           o[0] = r.s, o[1] = r.m;
         }
@@ -754,10 +870,12 @@ void matmul_impl(const Q8K& xq, const uint8_t* w, int64_t N, float* y) {
     }
   }
 #endif
+  std::vector<int8_t> buf;
+  const int8_t* a1 = one_row_order<KT, I>(a, T * nb, buf);
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t t = 0; t < T; ++t)
-        y[t * N + n] = row_dot<KT, I>(w + n * nb * KT::bytes, a + t * K, dx + t * nb, &xs[t * nb * 16], nb);
+        y[t * N + n] = row_dot<KT, I>(w + n * nb * KT::bytes, a1 + t * K, dx + t * nb, &xs[t * nb * 16], nb);
   });
 }
 
@@ -777,6 +895,7 @@ at::Tensor kq_superblock_sums(const at::Tensor& q_in, const at::Tensor& bsums_in
     case 12: std::apply(avx2 ? sums_impl<Q4K, Isa::Avx2> : sums_impl<Q4K, Isa::Scalar>, args); break;
     case 13: std::apply(avx2 ? sums_impl<Q5K, Isa::Avx2> : sums_impl<Q5K, Isa::Scalar>, args); break;
     case 14: std::apply(avx2 ? sums_impl<Q6K, Isa::Avx2> : sums_impl<Q6K, Isa::Scalar>, args); break;
+    case kQ4KR: std::apply(avx2 ? sums_impl<Q4KR, Isa::Avx2> : sums_impl<Q4KR, Isa::Scalar>, args); break;
   }
   return out;
 }
@@ -793,6 +912,7 @@ at::Tensor kq_matmul(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type
     case 12: std::apply(avx2 ? matmul_impl<Q4K, Isa::Avx2> : matmul_impl<Q4K, Isa::Scalar>, args); break;
     case 13: std::apply(avx2 ? matmul_impl<Q5K, Isa::Avx2> : matmul_impl<Q5K, Isa::Scalar>, args); break;
     case 14: std::apply(avx2 ? matmul_impl<Q6K, Isa::Avx2> : matmul_impl<Q6K, Isa::Scalar>, args); break;
+    case kQ4KR: std::apply(avx2 ? matmul_impl<Q4KR, Isa::Avx2> : matmul_impl<Q4KR, Isa::Scalar>, args); break;
   }
   return y;
 }
@@ -804,6 +924,8 @@ void experts_impl(const Q8K& xq, const uint8_t* w, const int64_t* ids, int64_t N
   const int8_t* a = xq.q.data_ptr<int8_t>();
   const float* dx = xq.d.data_ptr<float>();
   const std::vector<int16_t> xs = min_sums_of<KT>(xq.bsums.data_ptr<int16_t>(), P * nb);
+  std::vector<int8_t> buf;
+  const int8_t* a1 = one_row_order<KT, I>(a, P * nb, buf);
   // Threads split each expert's rows.
   std::vector<int64_t> pairs, start;
   hybridkv::group_by_expert(ids, P, pairs, start);
@@ -828,7 +950,7 @@ void experts_impl(const Q8K& xq, const uint8_t* w, const int64_t* ids, int64_t N
 #endif
       for (int64_t i = start[g]; i < start[g + 1]; ++i) {
         const int64_t p = pairs[i];
-        y[p * N + n] = row_dot<KT, I>(wr, a + p * K, dx + p * nb, &xs[p * nb * 16], nb);
+        y[p * N + n] = row_dot<KT, I>(wr, a1 + p * K, dx + p * nb, &xs[p * nb * 16], nb);
       }
     }
   });
@@ -854,8 +976,32 @@ at::Tensor kq_experts_matmul(const at::Tensor& x, const at::Tensor& w, const at:
     case 12: std::apply(avx2 ? experts_impl<Q4K, Isa::Avx2> : experts_impl<Q4K, Isa::Scalar>, args); break;
     case 13: std::apply(avx2 ? experts_impl<Q5K, Isa::Avx2> : experts_impl<Q5K, Isa::Scalar>, args); break;
     case 14: std::apply(avx2 ? experts_impl<Q6K, Isa::Avx2> : experts_impl<Q6K, Isa::Scalar>, args); break;
+    case kQ4KR: std::apply(avx2 ? experts_impl<Q4KR, Isa::Avx2> : experts_impl<Q4KR, Isa::Scalar>, args); break;
   }
   return y;
+}
+
+// Q4_K rows [..., nb·144] → `Q4KR`'s bytes (a copy), or back (`inverse`): blocks.repack_q4_k's twin.
+at::Tensor kq_repack_q4_k(const at::Tensor& rows_in, bool inverse) {
+  TORCH_CHECK(rows_in.scalar_type() == at::kByte && rows_in.dim() >= 1 && rows_in.size(-1) % Q4KR::bytes == 0,
+              "kq_repack_q4_k: rows must be uint8 [..., nb * 144], got ", rows_in.scalar_type(), " ", rows_in.sizes());
+  const at::Tensor rows = rows_in.contiguous();
+  at::Tensor out = at::empty_like(rows);
+  const uint8_t* src = rows.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, rows.numel() / Q4KR::bytes, 4096, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* w = src + b * Q4KR::bytes;
+      uint8_t* r = dst + b * Q4KR::bytes;
+      std::memcpy(r, w, 16);
+      for (int c = 0; c < 4; ++c)
+        for (int j = 0; j < 8; ++j) {
+          const int at_r = 16 + 32 * c + 4 * j, at_q = 16 + 32 * (j % 4) + 4 * (2 * c + j / 4);
+          std::memcpy(r + (inverse ? at_q : at_r), w + (inverse ? at_r : at_q), 4);
+        }
+    }
+  });
+  return out;
 }
 
 }  // namespace
@@ -866,6 +1012,7 @@ TORCH_LIBRARY_FRAGMENT(hybridkv, m) {
   m.def("quantize_rows_q8_k(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("kq_superblock_sums(Tensor q, Tensor bsums, Tensor w, int ggml_type, str isa) -> Tensor");
   m.def("kq_matmul(Tensor x, Tensor w, int ggml_type, str isa) -> Tensor");
+  m.def("kq_repack_q4_k(Tensor rows, bool inverse) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hybridkv, CPU, m) {
@@ -873,4 +1020,5 @@ TORCH_LIBRARY_IMPL(hybridkv, CPU, m) {
   m.impl("kq_superblock_sums", kq_superblock_sums);
   m.impl("kq_matmul", kq_matmul);
   m.impl("kq_experts_matmul", kq_experts_matmul);
+  m.impl("kq_repack_q4_k", kq_repack_q4_k);
 }

@@ -169,6 +169,37 @@ def q4_k(blocks: torch.Tensor) -> torch.Tensor:
     return _k_affine(blocks, q4_k_codes(blocks))
 
 
+def _q4_k_r_order() -> torch.Tensor:
+    """Byte i of a repacked Q4_K block is byte `order[i]` of the Q4_K block: d, dmin and the scales in
+    place; code chunk c's 4-byte group j is Q4_K chunk j % 4's group 2c + j // 4 (`csrc/kquant.cpp`
+    `Q4KR`: a chunk's lanes then hold different sub-blocks)."""
+    order = list(range(16))
+    for c in range(4):
+        for j in range(8):
+            at = 16 + 32 * (j % 4) + 4 * (2 * c + j // 4)
+            order.extend(range(at, at + 4))
+    return torch.tensor(order)
+
+
+Q4_K_R_ORDER = _q4_k_r_order()
+Q4_K_ORDER_OF_R = torch.argsort(Q4_K_R_ORDER)
+
+
+def repack_q4_k(rows: torch.Tensor) -> torch.Tensor:
+    """Q4_K rows uint8 [..., nb·144] → the same blocks repacked for the one-row kernel (a copy)."""
+    return rows.reshape(*rows.shape[:-1], -1, 144)[..., Q4_K_R_ORDER].reshape(rows.shape)
+
+
+def unrepack_q4_k(rows: torch.Tensor) -> torch.Tensor:
+    """`repack_q4_k` undone: the Q4_K blocks, byte for byte."""
+    return rows.reshape(*rows.shape[:-1], -1, 144)[..., Q4_K_ORDER_OF_R].reshape(rows.shape)
+
+
+def q4_k_r(blocks: torch.Tensor) -> torch.Tensor:
+    """Repacked Q4_K blocks (`repack_q4_k`) → the weights Q4_K's would give."""
+    return q4_k(unrepack_q4_k(blocks))
+
+
 def q5_k(blocks: torch.Tensor) -> torch.Tensor:
     """As Q4_K with qh[32] before qs: 5-bit q."""
     return _k_affine(blocks, q5_k_codes(blocks))

@@ -37,7 +37,9 @@ class KType(NamedTuple):
     n_sub: int  # sub-blocks per super-block, each of 256/n_sub weights
 
 
-K_TYPES = {12: KType(12, 144, 8), 13: KType(13, 176, 8), 14: KType(14, 210, 16)}  # Q4_K, Q5_K, Q6_K
+# Q4_K, Q5_K, Q6_K, and Q4_K repacked at load (`blocks.repack_q4_k`; hybridkv's id, not ggml's)
+K_TYPES = {12: KType(12, 144, 8), 13: KType(13, 176, 8), 14: KType(14, 210, 16), 1012: KType(1012, 144, 8)}
+Q4_K_R = 1012
 
 
 class Q8KRows(NamedTuple):
@@ -80,6 +82,8 @@ def quantize_rows_q8_k(x: torch.Tensor) -> Q8KRows:
 
 def split_k(rows: torch.Tensor, ggml_id: int) -> KRows:
     """Q4_K / Q5_K / Q6_K rows uint8 [N, nb·block_bytes] → their codes, scales, mins and d's."""
+    if ggml_id == Q4_K_R:
+        rows, ggml_id = blocks.unrepack_q4_k(rows), 12
     kt = K_TYPES[ggml_id]
     N = rows.shape[0]
     b = rows.reshape(-1, kt.block_bytes)
@@ -168,6 +172,11 @@ def native_k_matmul(x: torch.Tensor, rows: torch.Tensor, ggml_id: int, isa: str 
 def k_matmul(ggml_id: int) -> MatmulFn:
     """The traits table's product for a K-quant (Q4_K, Q5_K, Q6_K)."""
     return kernel_or_twin(native_k_matmul, k_matmul_twin, ggml_id)
+
+
+def native_repack_q4_k(rows: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """`blocks.repack_q4_k` (or `unrepack_q4_k`, inverse) by the C++ kernel: the same bytes, ~10x faster."""
+    return _ops().kq_repack_q4_k(rows, inverse)
 
 
 def native_k_experts_matmul(

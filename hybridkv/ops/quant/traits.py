@@ -53,6 +53,9 @@ class GGMLType(IntEnum):
     MXFP4 = 39
     NVFP4 = 40
     Q1_0 = 41
+    # hybridkv's own, never in a file: Q4_K with its code bytes repacked at load for the one-row
+    # kernel (`blocks.repack_q4_k`).
+    Q4_K_R = 1012
 
 
 BlockFn = Callable[[torch.Tensor], torch.Tensor]
@@ -112,8 +115,11 @@ TRAITS: dict[GGMLType, BlockType] = {
         BlockType(_T.Q4_K, 256, 144, blocks.q4_k, _T.Q8_K, k_dot.k_matmul(_T.Q4_K)),
         BlockType(_T.Q5_K, 256, 176, blocks.q5_k, _T.Q8_K, k_dot.k_matmul(_T.Q5_K)),
         BlockType(_T.Q6_K, 256, 210, blocks.q6_k, _T.Q8_K, k_dot.k_matmul(_T.Q6_K)),
+        BlockType(_T.Q4_K_R, 256, 144, blocks.q4_k_r, _T.Q8_K, k_dot.k_matmul(_T.Q4_K_R)),
     )
 }
+# Types that exist only in memory: never read from or written to a file.
+IN_MEMORY = frozenset({GGMLType.Q4_K_R})
 
 
 class UnsupportedTypeError(ValueError):
@@ -126,7 +132,7 @@ def block_type(type_id: int | GGMLType) -> BlockType:
         return TRAITS[GGMLType(type_id)]
     except (KeyError, ValueError):
         name = GGMLType(type_id).name if type_id in GGMLType._value2member_map_ else "unknown"
-        readable = ", ".join(TRAITS[t].name for t in sorted(TRAITS))
+        readable = ", ".join(TRAITS[t].name for t in sorted(TRAITS) if t not in IN_MEMORY)
         raise UnsupportedTypeError(
             f"ggml type {name} (id {int(type_id)}) is not supported; hybridkv reads {readable}"
         ) from None
