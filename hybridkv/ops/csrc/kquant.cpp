@@ -392,8 +392,10 @@ struct alignas(32) Unpacked {
 
 inline void store(void* p, __m256i v) { _mm256_storeu_si256(static_cast<__m256i*>(p), v); }
 
-// Q4_K's four 32-byte code chunks (bits) and its scales → `Unpacked`.
-ALWAYS_INLINE void unpack_q4k(const uint8_t* w, const __m256i bits[4], Unpacked& u) {
+// Four 32-byte code chunks (bits) and the scales of a Q4_K-format block → `Unpacked`: vector k's
+// scale is sub-block k's (Q4_K's chunks), or with `lanes` (Q4KR's chunks, whose 4-byte lane j holds
+// sub-block 2·(j%4) in its low nibbles and 2·(j%4)+1 in its high ones) that sub-block's per lane.
+ALWAYS_INLINE void unpack_q4k(const uint8_t* w, const __m256i bits[4], Unpacked& u, bool lanes = false) {
   const __m256i sm = k4_scales_mins16(w);
   const __m256i scales = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sm));
   const __m256i m4 = _mm256_set1_epi8(15);
@@ -401,7 +403,15 @@ ALWAYS_INLINE void unpack_q4k(const uint8_t* w, const __m256i bits[4], Unpacked&
     store(u.codes + 64 * c, _mm256_and_si256(bits[c], m4));
     store(u.codes + 64 * c + 32, _mm256_and_si256(_mm256_srli_epi16(bits[c], 4), m4));
   }
-  for (int k = 0; k < 8; ++k) store(u.scales[k], scale_of(scales, k));
+  if (lanes) {
+    const __m256i even = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1, 0, 1, 4, 5, 4, 5, 8,
+                                          9, 8, 9, 12, 13, 12, 13);
+    const __m256i lo = _mm256_shuffle_epi8(scales, even);
+    const __m256i hi = _mm256_shuffle_epi8(scales, _mm256_add_epi8(even, _mm256_set1_epi8(2)));
+    for (int k = 0; k < 8; ++k) store(u.scales[k], k % 2 ? hi : lo);
+  } else {
+    for (int k = 0; k < 8; ++k) store(u.scales[k], scale_of(scales, k));
+  }
   store(u.mins, sm);
 }
 
@@ -452,6 +462,18 @@ ALWAYS_INLINE void unpack(Q6K, const uint8_t* w, Unpacked& u) {
     }
   }
   store(u.mins, _mm256_slli_epi16(_mm256_cvtepi8_epi16(sc), 5));  // 32·sc_j: |.| <= 4096 fits i16
+}
+
+// What `unpacked_dot` meets `dot_order` activations with: `unpack`, or for a repacked type its
+// chunks as they lie, each lane scaled by its own sub-block (no permutation back).
+template <class KT>
+ALWAYS_INLINE void unpack_lanes(const uint8_t* w, Unpacked& u) {
+  if constexpr (KT::permuted) {
+    const __m256i bits[4] = {load(w + 16), load(w + 48), load(w + 80), load(w + 112)};
+    unpack_q4k(w, bits, u, true);
+  } else {
+    unpack(KT{}, w, u);
+  }
 }
 
 // An unpacked super-block in registers: 8 vectors of 32 codes and their i16 scales. Held across
@@ -506,10 +528,11 @@ std::vector<int16_t> min_sums_of(const int16_t* bsums, int64_t superblocks) {
   return xs;
 }
 
-// The activation rows (`superblocks` of them in all, from a) in the order KT's one-row product
-// reads them on code path I: a itself, or a copy in `buf` for a repacked type (`KT::permute`).
+// The activation rows (`superblocks` of them in all, from a) in the order KT's `avx2` and
+// `unpacked_dot` on `unpack_lanes` read them on code path I: a itself, or a copy in `buf` for a
+// repacked type (`KT::permute`). The 8- and 16-weight-row products read a as it is.
 template <class KT, Isa I>
-const int8_t* one_row_order(const int8_t* a, int64_t superblocks, std::vector<int8_t>& buf) {
+const int8_t* dot_order(const int8_t* a, int64_t superblocks, std::vector<int8_t>& buf) {
   if constexpr (KT::permuted && I == Isa::Avx2) {
     buf.resize(superblocks * QK_K);
     for (int64_t i = 0; i < superblocks; ++i) KT::permute(a + i * QK_K, buf.data() + i * QK_K);
@@ -622,7 +645,7 @@ void sums_impl(const int8_t* a, const int16_t* bs, int64_t T, int64_t K, const u
   const int64_t nb = K / QK_K;
   const std::vector<int16_t> xs = min_sums_of<KT>(bs, T * nb);
   std::vector<int8_t> buf;
-  const int8_t* a1 = one_row_order<KT, I>(a, T * nb, buf);
+  const int8_t* a1 = dot_order<KT, I>(a, T * nb, buf);
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t b = 0; b < nb; ++b) {
@@ -631,11 +654,11 @@ void sums_impl(const int8_t* a, const int16_t* bs, int64_t T, int64_t K, const u
         if constexpr (I == Isa::Avx2) {
           if (T >= 2) {  // as matmul_impl
             Unpacked u;
-            unpack(KT{}, wb, u);
+            unpack_lanes<KT>(wb, u);
             const Held h = hold(u);
             for (int64_t t = 0; t < T; ++t) {
               int32_t* o = out + ((t * N + n) * nb + b) * 2;
-              o[0] = hsum_i32(unpacked_dot(h, a + t * K + b * QK_K));
+              o[0] = hsum_i32(unpacked_dot(h, a1 + t * K + b * QK_K));
               o[1] = hsum_i32(_mm256_madd_epi16(load(u.mins), load(&xs[(t * nb + b) * 16])));
             }
             continue;
@@ -652,9 +675,9 @@ void sums_impl(const int8_t* a, const int16_t* bs, int64_t T, int64_t K, const u
 }
 
 #ifdef __AVX2__
-// Activation rows rows[0..n) (row r: codes at a + rows[r]·K, scales at dx + rows[r]·nb, mins' sums at
-// xs + rows[r]·nb·16) against one weight row w of nb super-blocks → y[rows[r]·N]: each super-block
-// unpacked once for all of them. acc: room for n accumulators; prefetch: fetch the row ahead.
+// Activation rows rows[0..n) (row r: codes at a + rows[r]·K in `dot_order`, scales at dx + rows[r]·nb,
+// mins' sums at xs + rows[r]·nb·16) against one weight row w of nb super-blocks → y[rows[r]·N]: each
+// super-block unpacked once for all of them. acc: room for n accumulators; prefetch: fetch the row ahead.
 template <class KT>
 void rows_dot_unpacked(const uint8_t* w, int64_t nb, int64_t K, const int8_t* a, const float* dx, const int16_t* xs,
                        const int64_t* rows, int64_t n, float* y, int64_t N, __m256* acc, bool prefetch) {
@@ -665,7 +688,7 @@ void rows_dot_unpacked(const uint8_t* w, int64_t nb, int64_t K, const int8_t* a,
     if (prefetch)
       for (int line = 0; line < KT::bytes; line += 64)
         _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetch + line), _MM_HINT_T0);
-    unpack(KT{}, wb, u);
+    unpack_lanes<KT>(wb, u);
     const Held h = hold(u);
     const __m256i mins = load(u.mins);
     const float dw = fp16(wb + KT::d_at), dminw = KT::mins_in_d ? 0.f : fp16(wb + KT::dmin_at);
@@ -829,6 +852,8 @@ void matmul_impl(const Q8K& xq, const uint8_t* w, int64_t N, float* y) {
   const int8_t* a = xq.q.data_ptr<int8_t>();
   const float* dx = xq.d.data_ptr<float>();
   const std::vector<int16_t> xs = min_sums_of<KT>(xq.bsums.data_ptr<int16_t>(), T * nb);
+  std::vector<int8_t> buf;
+  const int8_t* a1 = dot_order<KT, I>(a, T * nb, buf);
 #ifdef __AVX2__
   if constexpr (I == Isa::Avx2) {
     if (T >= 2) {
@@ -862,7 +887,7 @@ void matmul_impl(const Q8K& xq, const uint8_t* w, int64_t N, float* y) {
                                tiles, y + n, N, acc.data());
 #endif
             for (; n < end; ++n)
-              rows_dot_unpacked<KT>(w + n * nb * KT::bytes, nb, K, a, dx, xs.data(), all_rows.data() + t0, tiles,
+              rows_dot_unpacked<KT>(w + n * nb * KT::bytes, nb, K, a1, dx, xs.data(), all_rows.data() + t0, tiles,
                                     y + n, N, acc.data(), t0 == 0);
           }
       });
@@ -870,8 +895,6 @@ void matmul_impl(const Q8K& xq, const uint8_t* w, int64_t N, float* y) {
     }
   }
 #endif
-  std::vector<int8_t> buf;
-  const int8_t* a1 = one_row_order<KT, I>(a, T * nb, buf);
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t t = 0; t < T; ++t)
@@ -925,7 +948,7 @@ void experts_impl(const Q8K& xq, const uint8_t* w, const int64_t* ids, int64_t N
   const float* dx = xq.d.data_ptr<float>();
   const std::vector<int16_t> xs = min_sums_of<KT>(xq.bsums.data_ptr<int16_t>(), P * nb);
   std::vector<int8_t> buf;
-  const int8_t* a1 = one_row_order<KT, I>(a, P * nb, buf);
+  const int8_t* a1 = dot_order<KT, I>(a, P * nb, buf);
   // Threads split each expert's rows.
   std::vector<int64_t> pairs, start;
   hybridkv::group_by_expert(ids, P, pairs, start);
@@ -942,7 +965,7 @@ void experts_impl(const Q8K& xq, const uint8_t* w, const int64_t* ids, int64_t N
         // Several tokens on this expert (prefill, batched decode): each super-block unpacked once for all.
         if (start[g + 1] - start[g] >= 2) {
           for (int64_t i = start[g]; i < start[g + 1]; i += TILE_T)
-            rows_dot_unpacked<KT>(wr, nb, K, a, dx, xs.data(), pairs.data() + i, std::min(TILE_T, start[g + 1] - i),
+            rows_dot_unpacked<KT>(wr, nb, K, a1, dx, xs.data(), pairs.data() + i, std::min(TILE_T, start[g + 1] - i),
                                   y + n, N, acc.data(), true);
           continue;
         }
