@@ -405,6 +405,13 @@ class GGUFFile:
         if stop > start:
             self._buffers[info.path].madvise(mmap.MADV_DONTNEED, start, stop - start)
 
+    def release_all(self) -> None:
+        """`release` every tensor: the pages of views still in use are mapped in again as read."""
+        if self._buffers is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        for buf in self._buffers.values():
+            buf.madvise(mmap.MADV_DONTNEED)
+
     def close(self) -> None:
         buffers, self._buffers = self._buffers, None
         for buf in (buffers or {}).values():

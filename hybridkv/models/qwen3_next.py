@@ -325,11 +325,26 @@ class Qwen3NextModel(nn.Module):
             logits = mm_t(x, self.embed)
         return logits.float()
 
-    def weight_sizes(self) -> tuple[int, int]:
-        """(parameters, bytes) of the weights as held: a file's blocks count their bytes."""
+    def _held(self) -> list[torch.Tensor | QuantizedWeight | QuantLinear | QuantExperts]:
         held: list[torch.Tensor | QuantizedWeight | QuantLinear | QuantExperts] = list(self.parameters())
         for module in self.modules():
             held += [v for v in vars(module).values() if isinstance(v, (QuantizedWeight, QuantLinear, QuantExperts))]
+        return held
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """Every tensor that holds weights: parameters, buffers, plain tensor attributes, and the
+        blocks and float parts of projections kept as a file's blocks (`ops.pages.move`)."""
+        tensors: list[torch.Tensor] = list(self.buffers())
+        for w in self._held():
+            parts = w.parts if isinstance(w, (QuantLinear, QuantExperts)) else (w,)
+            tensors += [p.blocks if isinstance(p, QuantizedWeight) else p for p in parts]
+        for module in self.modules():
+            tensors += [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
+        return tensors
+
+    def weight_sizes(self) -> tuple[int, int]:
+        """(parameters, bytes) of the weights as held: a file's blocks count their bytes."""
+        held = self._held()
         numel = sum(w.numel() for w in held)
         nbytes = sum(w.blocks.nbytes if isinstance(w, QuantizedWeight) else w.nbytes for w in held)
         return numel, nbytes

@@ -20,6 +20,7 @@ from hybridkv.models.mtp import MTPHidden, mtp_layout
 from hybridkv.models.quantize import quantize_model, quantize_type
 from hybridkv.models.qwen3_next import Qwen3NextModel
 from hybridkv.models.weights import Checkpoint, Layout, TensorSource, load_weights
+from hybridkv.ops import pages
 
 
 def _as_is(config: ModelConfig, names: set[str]) -> ModelConfig:
@@ -119,6 +120,11 @@ def load_model(
     load_weights(params, layout, checkpoint, lambda name: family.is_ignored(config, name) or name in held)
     if type_id is not None:
         quantize_model(model, type_id)
+    # Weights streamed every step are read through 2 MiB pages, not 4 KiB ones: copied once; a
+    # GGUF file's pages, which the copies replace, are released so the weights are resident once.
+    moved = pages.move(model.weight_tensors())
+    if moved and isinstance(checkpoint, GGUFCheckpoint) and isinstance(checkpoint.source, GGUFTensors):
+        checkpoint.source.file.release_all()
     return model.eval()
 
 

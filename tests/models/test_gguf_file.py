@@ -153,6 +153,15 @@ def test_data_is_the_written_values(model_path: Path) -> None:
         np.testing.assert_array_equal(bf16.view(torch.int16).numpy().view(np.uint16), make_tensors()[3][1])
 
 
+def test_released_pages_read_the_same_values_again(model_path: Path) -> None:
+    with GGUFFile(model_path) as ours:
+        views = {name: ours.data(name) for name, _, _ in make_tensors()}
+        ours.release("blk.0.odd.weight")
+        ours.release_all()
+        for name, array, _ in make_tensors():
+            np.testing.assert_array_equal(views[name], array)
+
+
 def mapping_of(view: np.ndarray) -> object:
     base: object = view
     while isinstance(base, np.ndarray):

@@ -980,6 +980,8 @@ inline void norm_rope(float* x, const float* w, float eps, const float* cos, con
 // table (no gather), output gated by sigmoid(gate).
 //   qkv [T, (2H + 2Hkv) * hd] = q | gate | k | v;  cos, sin [T, rd];  pools [blocks, bs, Hkv, hd].
 // Returns [T, H * hd] float32.
+constexpr int64_t KV_AHEAD = 8;  // positions a decode step's key and value rows are fetched ahead
+
 template <typename KV>
 at::Tensor attention_decode_impl(const at::Tensor& qkv, const at::Tensor& q_norm, const at::Tensor& k_norm, double eps,
                                  const at::Tensor& cos_t, const at::Tensor& sin_t, KV* kp, KV* vp, int64_t pool_rows,
@@ -1032,9 +1034,17 @@ at::Tensor attention_decode_impl(const at::Tensor& qkv, const at::Tensor& q_norm
       const int64_t* blocks = table + n * max_blocks;
       scores.resize(group * L);
       const float* qg = qp + (n * H + g * group) * hd;
-      // Position p's row of a pool as float32: in place, or widened into `kv` (bfloat16).
+      auto at = [&](const KV* pool, int64_t p) { return pool + ((blocks[p / bs] * bs + p % bs) * Hkv + g) * hd; };
+      // Position p's row of a pool as float32: in place, or widened into `kv` (bfloat16). The row
+      // KV_AHEAD positions on is fetched meanwhile: the rows are a head's slice of each position
+      // (hd of Hkv·hd), evicted by the layers' weights since the last step, and read one short run
+      // at a time they arrived at a quarter of the bandwidth (370 against 86 us hot, measured).
       auto row = [&](const KV* pool, int64_t p) -> const float* {
-        const KV* r = pool + ((blocks[p / bs] * bs + p % bs) * Hkv + g) * hd;
+        if (p + KV_AHEAD < L) {
+          const char* ahead = reinterpret_cast<const char*>(at(pool, p + KV_AHEAD));
+          for (int64_t b = 0; b < hd * static_cast<int64_t>(sizeof(KV)); b += 64) __builtin_prefetch(ahead + b);
+        }
+        const KV* r = at(pool, p);
         if constexpr (std::is_same_v<KV, float>) {
           return r;
         } else {

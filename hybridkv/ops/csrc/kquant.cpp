@@ -215,8 +215,8 @@ struct Q6K {
 // nibbles sub-block 2·(j%4)+1, positions 8c + 4·(j/4) + b. One-row products then take each
 // sub-block's scale per lane (one i32 multiply per chunk half after `dpbusd`, instead of a scale
 // shuffle, a `madd` and an add per 32 codes), on activations put in the same order once per row
-// (`permute`); the other paths unpack the chunks back to Q4_K's order (`unpack`). The exact same
-// integers S and M as Q4_K.
+// (`permute`); so do the 2-15-row products (`unpack_lanes`: per-lane scales). The 8- and 16-row
+// products unpack the chunks back to Q4_K's order (`unpack`). The exact same integers S and M as Q4_K.
 struct Q4KR {
   static constexpr int bytes = 144, d_at = 0, dmin_at = 2;
   static constexpr bool mins_in_d = false, permuted = true;
