@@ -21,6 +21,7 @@ from hybridkv.models.quantize import quantize_model, quantize_type
 from hybridkv.models.qwen3_next import Qwen3NextModel
 from hybridkv.models.weights import Checkpoint, Layout, TensorSource, load_weights
 from hybridkv.ops import pages
+from hybridkv.ops.malloc import give_back_freed_memory
 
 
 def _as_is(config: ModelConfig, names: set[str]) -> ModelConfig:
@@ -122,9 +123,10 @@ def load_model(
         quantize_model(model, type_id)
     # Weights streamed every step are read through 2 MiB pages, not 4 KiB ones: copied once; a
     # GGUF file's pages, which the copies replace, are released so the weights are resident once.
-    moved = pages.move(model.weight_tensors())
-    if moved and isinstance(checkpoint, GGUFCheckpoint) and isinstance(checkpoint.source, GGUFTensors):
-        checkpoint.source.file.release_all()
+    if pages.move(model.weight_tensors()):
+        if isinstance(checkpoint, GGUFCheckpoint) and isinstance(checkpoint.source, GGUFTensors):
+            checkpoint.source.file.release_all()
+        give_back_freed_memory()
     return model.eval()
 
 

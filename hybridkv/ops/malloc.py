@@ -28,6 +28,28 @@ TRIM_THRESHOLD = 256 << 20
 
 
 @functools.cache
+def _libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+def give_back_freed_memory() -> bool:
+    """Hand the heap's free pages back to the kernel now (glibc's `malloc_trim(0)`): after load,
+    where the copies that replaced freed tensors would otherwise leave their memory resident
+    twice. False where this is not glibc."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is None:
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True
+
+
+@functools.cache
 def keep_freed_memory() -> bool:
     """Raise glibc's thresholds once per process; False where this is not glibc or the user set
     either threshold through glibc's own environment variables (theirs then stands)."""
@@ -35,10 +57,8 @@ def keep_freed_memory() -> bool:
         return False
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") or os.environ.get("MALLOC_TRIM_THRESHOLD_"):
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # musl and other C libraries have no mallopt
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:  # not Linux, or musl and other C libraries without mallopt
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
