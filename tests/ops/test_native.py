@@ -249,8 +249,18 @@ def test_rms_norm_equals_torch(dtype: torch.dtype, shape: tuple[int, ...]) -> No
 
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("H", "Hkv", "hd", "rd"), [(4, 2, 16, 8), (8, 2, 64, 64), (2, 2, 24, 12)])
-def test_attention_decode_equals_pytorch_step(H: int, Hkv: int, hd: int, rd: int, pool_dtype: torch.dtype) -> None:
-    bs, num_blocks, kv_lens = 4, 40, [1, 6, 37, 70]  # 1: the token attends only to itself
+@pytest.mark.parametrize(
+    ("kv_lens", "threads"),
+    # 1: the token attends only to itself. Split over positions for the threads (at least 64
+    # each): one token over 150 positions in 3 splits of 50; with 4 threads and 3 tokens, 150 in
+    # 3 and 70 in 2.
+    [([1, 6, 37, 70], 2), ([150], 2), ([150], 8), ([3, 150, 70], 4)],
+    ids=["4 tokens", "1 token 2 threads", "1 token 8 threads", "3 tokens 4 threads"],
+)
+def test_attention_decode_equals_pytorch_step(
+    H: int, Hkv: int, hd: int, rd: int, pool_dtype: torch.dtype, kv_lens: list[int], threads: int
+) -> None:
+    bs, num_blocks = 4, 100
     T = len(kv_lens)
     gen = torch.Generator().manual_seed(H * hd)
     qkv = torch.randn(T, (2 * H + 2 * Hkv) * hd, generator=gen)
@@ -261,7 +271,7 @@ def test_attention_decode_equals_pytorch_step(H: int, Hkv: int, hd: int, rd: int
     v_pool = torch.randn(num_blocks, bs, Hkv, hd, generator=gen).to(pool_dtype)
     # Each sequence's blocks scattered over the pool; entries past its last block are never read.
     blocks = torch.randperm(num_blocks, generator=gen).tolist()
-    block_tables = torch.zeros(T, 18, dtype=torch.int64)
+    block_tables = torch.zeros(T, 40, dtype=torch.int64)
     for n, L in enumerate(kv_lens):
         mine, blocks = blocks[: -(-L // bs)], blocks[-(-L // bs) :]
         block_tables[n, : len(mine)] = torch.tensor(mine)
@@ -279,9 +289,14 @@ def test_attention_decode_equals_pytorch_step(H: int, Hkv: int, hd: int, rd: int
     o = paged_attention(q, want_k, want_v, block_tables, cu, lens, hd**-0.5)
     want = o.reshape(T, H * hd) * torch.sigmoid(gate)
 
-    got = native.attention_decode(
-        qkv, q_norm, k_norm, 1e-6, cos, sin, (k_pool, v_pool), slot_mapping, block_tables, lens, hd**-0.5, H
-    )
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = native.attention_decode(
+            qkv, q_norm, k_norm, 1e-6, cos, sin, (k_pool, v_pool), slot_mapping, block_tables, lens, hd**-0.5, H
+        )
+    finally:
+        torch.set_num_threads(before)
     assert_close(got, want, rel=1e-5 if pool_dtype == torch.float32 else 2e-2)
     assert_close(k_pool, want_k, rel=1e-5 if pool_dtype == torch.float32 else 1e-2, dtype=pool_dtype)
     assert torch.equal(v_pool, want_v)

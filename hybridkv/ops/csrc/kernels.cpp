@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -981,6 +982,7 @@ inline void norm_rope(float* x, const float* w, float eps, const float* cos, con
 //   qkv [T, (2H + 2Hkv) * hd] = q | gate | k | v;  cos, sin [T, rd];  pools [blocks, bs, Hkv, hd].
 // Returns [T, H * hd] float32.
 constexpr int64_t KV_AHEAD = 8;  // positions a decode step's key and value rows are fetched ahead
+constexpr int64_t SPLIT_MIN = 64;  // fewest positions a decode step's attention splits off for a thread
 
 template <typename KV>
 at::Tensor attention_decode_impl(const at::Tensor& qkv, const at::Tensor& q_norm, const at::Tensor& k_norm, double eps,
@@ -1023,28 +1025,33 @@ at::Tensor attention_decode_impl(const at::Tensor& qkv, const at::Tensor& q_norm
       }
     }
   });
-  // Phase 2, per (token, kv head): scores of its `group` query heads, softmax, weighted values.
-  at::Tensor out = at::empty({T, H * hd}, qkv.options());
-  float* op = out.data_ptr<float>();
+  // Phase 2, split over positions (flash decoding): item (token n, split s) reads its positions
+  // of every KV head front to back (a position's Hkv rows lie together, so a thread streams whole
+  // blocks), keeping per query head the scores' max, the sum of their exps and the unnormalised
+  // weighted values; the splits are merged after. Each split's rows are fetched KV_AHEAD positions
+  // on: they were evicted by the layers' weights since the last step.
+  const int64_t threads = at::get_num_threads();
+  std::vector<int64_t> first(T + 1, 0), chunk(T);
+  for (int64_t n = 0; n < T; ++n) {
+    const int64_t wanted = std::max<int64_t>(1, (2 * threads + T - 1) / T);  // items enough for the threads
+    const int64_t splits = std::min(wanted, (lens[n] + SPLIT_MIN - 1) / SPLIT_MIN);
+    chunk[n] = (lens[n] + splits - 1) / splits;
+    first[n + 1] = first[n] + (lens[n] + chunk[n] - 1) / chunk[n];
+  }
+  const int64_t items = first[T];
+  std::vector<float> part_max(items * H), part_sum(items * H), part_acc(items * H * hd);
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, T * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, kv(hd), acc(group * hd);
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, kv(hd);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t n = item / Hkv, g = item % Hkv, L = lens[n];
+      const int64_t n = std::upper_bound(first.begin(), first.end(), item) - first.begin() - 1;
+      const int64_t p0 = (item - first[n]) * chunk[n], p1 = std::min(lens[n], p0 + chunk[n]), S = p1 - p0;
       const int64_t* blocks = table + n * max_blocks;
-      scores.resize(group * L);
-      const float* qg = qp + (n * H + g * group) * hd;
-      auto at = [&](const KV* pool, int64_t p) { return pool + ((blocks[p / bs] * bs + p % bs) * Hkv + g) * hd; };
-      // Position p's row of a pool as float32: in place, or widened into `kv` (bfloat16). The row
-      // KV_AHEAD positions on is fetched meanwhile: the rows are a head's slice of each position
-      // (hd of Hkv·hd), evicted by the layers' weights since the last step, and read one short run
-      // at a time they arrived at a quarter of the bandwidth (370 against 86 us hot, measured).
-      auto row = [&](const KV* pool, int64_t p) -> const float* {
-        if (p + KV_AHEAD < L) {
-          const char* ahead = reinterpret_cast<const char*>(at(pool, p + KV_AHEAD));
-          for (int64_t b = 0; b < hd * static_cast<int64_t>(sizeof(KV)); b += 64) __builtin_prefetch(ahead + b);
-        }
-        const KV* r = at(pool, p);
+      const float* qn = qp + n * H * hd;
+      scores.resize(H * S);
+      // Head g's row at position p as float32: in place, or widened into `kv` (bfloat16).
+      auto row = [&](const KV* pool, int64_t p, int64_t g) -> const float* {
+        const KV* r = pool + ((blocks[p / bs] * bs + p % bs) * Hkv + g) * hd;
         if constexpr (std::is_same_v<KV, float>) {
           return r;
         } else {
@@ -1052,41 +1059,73 @@ at::Tensor attention_decode_impl(const at::Tensor& qkv, const at::Tensor& q_norm
           return kv.data();
         }
       };
-      for (int64_t p = 0; p < L; ++p) {
-        const float* k = row(kp, p);
-        for (int64_t j = 0; j < group; ++j) scores[j * L + p] = sc * dot(qg + j * hd, k, hd);
+      auto fetch = [&](const KV* pool, int64_t p) {
+        if (p >= p1) return;
+        const char* at = reinterpret_cast<const char*>(pool + (blocks[p / bs] * bs + p % bs) * Hkv * hd);
+        for (int64_t b = 0; b < Hkv * hd * static_cast<int64_t>(sizeof(KV)); b += 64) __builtin_prefetch(at + b);
+      };
+      for (int64_t p = p0; p < p1; ++p) {
+        fetch(kp, p + KV_AHEAD);
+        for (int64_t g = 0; g < Hkv; ++g) {
+          const float* k = row(kp, p, g);
+          for (int64_t j = 0; j < group; ++j) {
+            const int64_t h = g * group + j;
+            scores[h * S + p - p0] = sc * dot(qn + h * hd, k, hd);
+          }
+        }
       }
-      for (int64_t j = 0; j < group; ++j) {
-        float* s = scores.data() + j * L;
+      for (int64_t h = 0; h < H; ++h) {
+        float* s = scores.data() + h * S;
         float mx = s[0];
-        for (int64_t p = 1; p < L; ++p) mx = std::max(mx, s[p]);
-        float sum = 0.f;
+        for (int64_t p = 1; p < S; ++p) mx = std::max(mx, s[p]);
         int64_t p = 0;
         vf sums = {};
-        for (; p + LANES <= L; p += LANES) {
+        for (; p + LANES <= S; p += LANES) {
           const vf e = vexp(load(s + p) - mx);
           store(s + p, e);
           sums += e;
         }
-        sum = hsum(sums);
-        for (; p < L; ++p) sum += (s[p] = std::exp(s[p] - mx));
-        for (int64_t p = 0; p < L; ++p) s[p] /= sum;
+        float sum = hsum(sums);
+        for (; p < S; ++p) sum += (s[p] = std::exp(s[p] - mx));
+        part_max[item * H + h] = mx;
+        part_sum[item * H + h] = sum;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t p = 0; p < L; ++p) {
-        const float* v = row(vp, p);
-        for (int64_t j = 0; j < group; ++j) {
-          const float w = scores[j * L + p];
-          float* a = acc.data() + j * hd;
-          for (int64_t i = 0; i < hd; ++i) a[i] += w * v[i];
+      float* acc = part_acc.data() + item * H * hd;
+      std::fill(acc, acc + H * hd, 0.f);
+      for (int64_t p = p0; p < p1; ++p) {
+        fetch(vp, p + KV_AHEAD);
+        for (int64_t g = 0; g < Hkv; ++g) {
+          const float* v = row(vp, p, g);
+          for (int64_t j = 0; j < group; ++j) {
+            const int64_t h = g * group + j;
+            const float w = scores[h * S + p - p0];
+            float* a = acc + h * hd;
+            for (int64_t i = 0; i < hd; ++i) a[i] += w * v[i];
+          }
         }
       }
-      for (int64_t j = 0; j < group; ++j) {
-        const int64_t h = g * group + j;
-        const float* gate = in + n * width + H * hd + h * hd;
-        float* o = op + n * H * hd + h * hd;
-        for (int64_t i = 0; i < hd; ++i) o[i] = acc[j * hd + i] / (1.f + std::exp(-gate[i]));
+    }
+  });
+  // Merge each head's splits (rescaled to the largest max), normalise, gate by sigmoid(gate); a
+  // few tokens' worth in this thread (waking the others cost more than the merge).
+  at::Tensor out = at::empty({T, H * hd}, qkv.options());
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T * H, 32, [&](int64_t begin, int64_t end) {
+    std::vector<float> o(hd);
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t n = u / H, h = u % H;
+      float mx = -std::numeric_limits<float>::infinity(), sum = 0.f;
+      for (int64_t item = first[n]; item < first[n + 1]; ++item) mx = std::max(mx, part_max[item * H + h]);
+      std::fill(o.begin(), o.end(), 0.f);
+      for (int64_t item = first[n]; item < first[n + 1]; ++item) {
+        const float f = std::exp(part_max[item * H + h] - mx);
+        sum += f * part_sum[item * H + h];
+        const float* a = part_acc.data() + (item * H + h) * hd;
+        for (int64_t i = 0; i < hd; ++i) o[i] += f * a[i];
       }
+      const float* gate = in + n * width + H * hd + h * hd;
+      float* dst = op + n * H * hd + h * hd;
+      for (int64_t i = 0; i < hd; ++i) dst[i] = o[i] / sum / (1.f + std::exp(-gate[i]));
     }
   });
   return out;
