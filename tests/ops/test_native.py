@@ -25,18 +25,23 @@ pytestmark = pytest.mark.skipif(native.kernels() is None, reason="C++ kernels co
 
 
 @pytest.mark.parametrize("T", [0, 1, 2, 5, 6, 7, 8, 9, 13, 32])
-@pytest.mark.parametrize(("D", "N"), [(64, 64), (48, 200), (37, 17), (512, 1552), (16, 5), (70, 9001)])
+@pytest.mark.parametrize(
+    ("D", "N"), [(64, 64), (48, 200), (37, 17), (512, 1552), (16, 5), (70, 9001), (1030, 1100)]
+)
 def test_rows_matmul_equals_matmul(T: int, D: int, N: int) -> None:
-    # T covers split-depth (up to 8 rows on AVX-512) and column strips; N whole 64-column tiles,
-    # 16-column tails, single columns and several column blocks; D a ragged last group of 4 rows.
+    # T covers split-depth (one row; up to 8 rows on AVX-512 for weights over 4 MiB: the last
+    # shape) and column strips; N whole 64-column tiles, 16-column tails, single columns and
+    # several column blocks; D a ragged last group of 4 rows.
     gen = torch.Generator().manual_seed(T * 1000 + N)
     x, w = torch.randn(T, D, generator=gen), torch.randn(D, N, generator=gen)
     assert_close(native.rows_matmul(x, w), x @ w, rel=1e-5 * D**0.5)
 
 
-# split-depth up to 8 rows (one row: rows of w shorter than a page one at a time, longer 4 at a
-# time); 64-column tiles beyond
-@pytest.mark.parametrize(("T", "N"), [(1, 300), (1, 8200), (3, 300), (4, 300), (8, 300), (16, 300)])
+# split-depth for one row (rows of w shorter than a page one at a time, longer 4 at a time) and up
+# to 8 rows over 4 MiB (N = 23000); 64-column tiles beyond
+@pytest.mark.parametrize(
+    ("T", "N"), [(1, 300), (1, 8200), (3, 300), (3, 23000), (4, 300), (8, 300), (8, 23000), (16, 300)]
+)
 def test_rows_matmul_bf16_weights_match_the_upcast_product(T: int, N: int) -> None:
     gen = torch.Generator().manual_seed(T)
     x, w = torch.randn(T, 96, generator=gen), torch.randn(96, N, generator=gen).bfloat16()

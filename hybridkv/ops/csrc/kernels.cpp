@@ -51,9 +51,16 @@ constexpr int LANES = HYBRIDKV_LANES;
 #if HYBRIDKV_LANES == 16
 constexpr bool STREAM_ROWS = false;
 constexpr int64_t SPLIT_ROWS = 8;
+// ... for weights above this size, and for one row: a small weight stays in the caches between
+// steps (a model whose weights fit in L3), where the split form's column blocks, their rows 4 KiB
+// apart in the cache sets, ran 1.4-3x slower than the register tiles at 2-8 rows (a [192, 4096]
+// float32 weight at 5 rows: 171 against 57 us); read from memory the two were even up to 4 MiB,
+// and the split form 10-35% faster at 8 MiB (Zen 4, 2 threads).
+constexpr int64_t SPLIT_FROM_BYTES = 4 << 20;
 #else
 constexpr bool STREAM_ROWS = true;
 constexpr int64_t SPLIT_ROWS = 1;  // the 4 x 4 tile of `depth_block_rows` does not fit 16 registers
+constexpr int64_t SPLIT_FROM_BYTES = 0;
 #endif
 template <typename W>
 struct Tiling {
@@ -420,7 +427,7 @@ void matmul_into(const float* x, int64_t T, int64_t D, const at::Tensor& w, floa
     return;
   }
   if (T == 0) return;
-  if (T <= SPLIT_ROWS) return matmul_rows_split_depth(x, T, D, w, y);
+  if (T <= SPLIT_ROWS && (T == 1 || w.nbytes() > SPLIT_FROM_BYTES)) return matmul_rows_split_depth(x, T, D, w, y);
   with_weight_type(w, [&](auto* wp) {
     using W = std::remove_cv_t<std::remove_pointer_t<decltype(wp)>>;
     parallel_columns(1, N, chunk_columns<W>(T), [&](int64_t, int64_t n0, int64_t n1) {
