@@ -25,9 +25,7 @@ pytestmark = pytest.mark.skipif(native.kernels() is None, reason="C++ kernels co
 
 
 @pytest.mark.parametrize("T", [0, 1, 2, 5, 6, 7, 8, 9, 13, 32])
-@pytest.mark.parametrize(
-    ("D", "N"), [(64, 64), (48, 200), (37, 17), (512, 1552), (16, 5), (70, 9001), (1030, 1100)]
-)
+@pytest.mark.parametrize(("D", "N"), [(64, 64), (48, 200), (37, 17), (512, 1552), (16, 5), (70, 9001), (1030, 1100)])
 def test_rows_matmul_equals_matmul(T: int, D: int, N: int) -> None:
     # T covers split-depth (one row; up to 8 rows on AVX-512 for weights over 4 MiB: the last
     # shape) and column strips; N whole 64-column tiles, 16-column tails, single columns and
