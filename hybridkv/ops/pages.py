@@ -84,7 +84,10 @@ def move(tensors: Iterable[torch.Tensor]) -> int:
             old = group[0].untyped_storage()
             if old.nbytes() + SPARE > _available_memory():
                 continue  # the copy and the original would not fit together: it stays as it is
-            copy = _huge_bytes(old.nbytes())
+            try:
+                copy = _huge_bytes(old.nbytes())
+            except OSError:  # the kernel refused the mapping (an overcommit limit): it stays too
+                continue
             copy.copy_(torch.empty(0, dtype=torch.uint8).set_(old))
             for t in group:
                 start = t.storage_offset() + copy.storage_offset() // t.element_size()

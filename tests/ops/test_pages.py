@@ -74,6 +74,16 @@ def test_a_storage_that_would_not_fit_twice_stays(huge_pages: None, monkeypatch:
     assert pages.move([big]) == 0 and big.data_ptr() == address
 
 
+def test_a_refused_mapping_leaves_the_storage_where_it_is(huge_pages: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(nbytes: int) -> torch.Tensor:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(pages, "_huge_bytes", refuse)
+    big = torch.randn(1024, 1024)
+    want, address = big.clone(), big.data_ptr()
+    assert pages.move([big]) == 0 and big.data_ptr() == address and torch.equal(big, want)
+
+
 @pytest.mark.parametrize("source", ["checkpoint", "f32.gguf"])
 def test_loaded_weights_are_moved_and_compute_the_same(
     source: str, huge_pages: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
