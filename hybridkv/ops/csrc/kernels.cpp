@@ -51,11 +51,12 @@ constexpr int LANES = HYBRIDKV_LANES;
 #if HYBRIDKV_LANES == 16
 constexpr bool STREAM_ROWS = false;
 constexpr int64_t SPLIT_ROWS = 8;
-// ... for weights above this size, and for one row: a small weight stays in the caches between
-// steps (a model whose weights fit in L3), where the split form's column blocks, their rows 4 KiB
-// apart in the cache sets, ran 1.4-3x slower than the register tiles at 2-8 rows (a [192, 4096]
-// float32 weight at 5 rows: 171 against 57 us); read from memory the two were even up to 4 MiB,
-// and the split form 10-35% faster at 8 MiB (Zen 4, 2 threads).
+// The split form takes 2..SPLIT_ROWS rows only for weights above this size (one row always): a
+// small weight stays in the caches between steps (a model whose weights fit in L3), where the
+// split form's column blocks, their rows 4 KiB apart in the cache sets, ran 1.4-3x slower than
+// the register tiles at 2-8 rows (a [192, 4096] float32 weight at 5 rows: 171 against 57 us);
+// read from memory the two were even up to 4 MiB, the split form 10-35% faster at 8 MiB (Zen 4,
+// 2 threads).
 constexpr int64_t SPLIT_FROM_BYTES = 4 << 20;
 #else
 constexpr bool STREAM_ROWS = true;
@@ -982,15 +983,15 @@ inline void norm_rope(float* x, const float* w, float eps, const float* cos, con
   }
 }
 
+constexpr int64_t KV_AHEAD = 8;  // positions a decode step's key and value rows are fetched ahead
+constexpr int64_t SPLIT_MIN = 64;  // fewest positions a decode step's attention splits off for a thread
+
 // One decode step of gated attention after qkv_proj, token n being sequence n:
 // q/k RMSNorm + RoPE, this token's K/V written into the paged pools at slot_mapping[n], attention
 // of its H query heads over the sequence's kv_lens[n] positions read in place through its block
 // table (no gather), output gated by sigmoid(gate).
 //   qkv [T, (2H + 2Hkv) * hd] = q | gate | k | v;  cos, sin [T, rd];  pools [blocks, bs, Hkv, hd].
 // Returns [T, H * hd] float32.
-constexpr int64_t KV_AHEAD = 8;  // positions a decode step's key and value rows are fetched ahead
-constexpr int64_t SPLIT_MIN = 64;  // fewest positions a decode step's attention splits off for a thread
-
 template <typename KV>
 at::Tensor attention_decode_impl(const at::Tensor& qkv, const at::Tensor& q_norm, const at::Tensor& k_norm, double eps,
                                  const at::Tensor& cos_t, const at::Tensor& sin_t, KV* kp, KV* vp, int64_t pool_rows,
