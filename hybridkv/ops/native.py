@@ -6,6 +6,7 @@ compiler, `HYBRIDKV_NATIVE=0`) and that the tests compare it with:
     rows_matmul(x, w)            x @ w for a few rows (decode batches), w [D, N] float32 or bfloat16
     rows_matmul_t(x, w)          x @ wᵀ for a few rows, w [N, D] (a tied lm_head: the embedding)
     rms_norm(x, w, eps)          F.rms_norm in float32
+    silu_mul(gate_up)            ops.matmul.silu_mul in float32 (SwiGLU's activation)
     moe_block(x, ...)            hybridkv.ops.moe.moe_block's PyTorch path (router, experts, shared expert)
     gdn_forward(mixed, ...)      GatedDeltaNet's PyTorch path after in_proj (conv, norms, gates, delta rule)
     attention_decode(qkv, ...)   GatedAttention's PyTorch decode step (norms, RoPE, paged attention, gate)
@@ -143,6 +144,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) · weight over the last dim (float32 math), in x's dtype: `F.rms_norm` in one call
     (on the CPU that is half a dozen ops)."""
     return _ops().rms_norm(x, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) · up for gate_up [T, 2I], gate columns first → [T, I] float32: one call instead
+    of a chunk, a SiLU and a product (three ops and their buffers at every decode layer)."""
+    return _ops().silu_mul(gate_up)
 
 
 def moe_block(

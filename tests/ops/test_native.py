@@ -250,6 +250,14 @@ def test_rms_norm_equals_torch(dtype: torch.dtype, shape: tuple[int, ...]) -> No
     assert_close(native.rms_norm(x, w, 1e-6), want, rel=1e-5 if dtype == torch.float32 else 1e-2, dtype=dtype)
 
 
+@pytest.mark.parametrize(("T", "I"), [(1, 3584), (5, 37), (32, 512)])  # 37: a tail past the vectors
+def test_silu_mul_equals_the_pytorch_twin(T: int, I: int) -> None:  # noqa: E741
+    gate_up = torch.randn(T, 2 * I, generator=torch.Generator().manual_seed(I)) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert_close(native.silu_mul(gate_up), F.silu(gate) * up, rel=1e-6)
+    assert_close(native.silu_mul(gate_up.T.contiguous().T), F.silu(gate) * up, rel=1e-6)  # strided input
+
+
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("H", "Hkv", "hd", "rd"), [(4, 2, 16, 8), (8, 2, 64, 64), (2, 2, 24, 12)])
 @pytest.mark.parametrize(

@@ -1171,6 +1171,17 @@ at::Tensor attention_decode(const at::Tensor& qkv_in, const at::Tensor& q_norm, 
 }
 
 
+// silu(gate) * up for gate_up [T, 2I] (gate columns first) → [T, I] float32: `silu_mul_rows`.
+at::Tensor silu_mul(const at::Tensor& gate_up_in) {
+  TORCH_CHECK(gate_up_in.dim() == 2 && gate_up_in.size(1) % 2 == 0, "silu_mul: gate_up must be [T, 2I], got ",
+              gate_up_in.sizes());
+  const at::Tensor gate_up = gate_up_in.to(at::kFloat).contiguous();
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({T, I}, gate_up.options());
+  silu_mul_rows(gate_up.data_ptr<float>(), T, I, out.data_ptr<float>());
+  return out;
+}
+
 // x / rms(x) * weight over the last dim, in float32; the result in x's dtype (float32 or bfloat16).
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double eps) {
   const int64_t D = weight_in.numel();
@@ -1201,6 +1212,7 @@ TORCH_LIBRARY(hybridkv, m) {
       "int Hk, int dk, Tensor(a!) conv_pool, Tensor(b!) delta_pool, Tensor slots, Tensor cu_seqlens, "
       "Tensor(c!) snap_conv, Tensor(d!) snap_delta, Tensor snap_tokens, Tensor snap_ids, bool tiled) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def(
       "attention_decode(Tensor qkv, Tensor q_norm, Tensor k_norm, float eps, Tensor cos, Tensor sin, "
       "Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slot_mapping, Tensor block_tables, Tensor kv_lens, "
@@ -1213,5 +1225,6 @@ TORCH_LIBRARY_IMPL(hybridkv, CPU, m) {
   m.impl("moe_block", moe_block);
   m.impl("gdn_forward", gdn_forward);
   m.impl("rms_norm", rms_norm);
+  m.impl("silu_mul", silu_mul);
   m.impl("attention_decode", attention_decode);
 }
