@@ -5,9 +5,10 @@ A decode step streams every weight once: hundreds of MB through 4 KiB pages, a T
 pages only where a process asks for them (`MADV_HUGEPAGE`), and neither PyTorch's allocator nor
 llama.cpp asks. `move` copies the weights onto such pages once at load (a GGUF file's pages are
 released after). Measured on the Qwen3.5-0.8B shape's Q4_K_M file (Zen 4, 2 threads, same-process
-A/B): the 248k-row Q6_K head 12-15% faster from memory, a whole decode step 2-7% (README, "Huge
-pages"). The cache's pools stay on plain pages: a step gained no more with them there, and
-faulting 4.5 GB of fresh huge pages in took seconds at start-up on this virtual machine.
+A/B): a Q6_K product of the 248k-row head's shape 12-15% faster from memory, a whole decode step
+2-7% (README, "Where decode time goes"). The cache's pools stay on plain pages: with them on huge
+pages too no clear gain showed, and faulting 4.5 GB of fresh huge pages in took seconds at
+start-up on this virtual machine.
 
 `HYBRIDKV_HUGE_PAGES=0` turns it off. Without Linux's transparent huge pages (another OS, or
 `enabled` = `never`), `move` does nothing.
