@@ -1072,16 +1072,17 @@ at::Tensor attention_decode_impl(const at::Tensor& qkv, const at::Tensor& q_norm
         const char* at = reinterpret_cast<const char*>(pool + (blocks[p / bs] * bs + p % bs) * Hkv * hd);
         for (int64_t b = 0; b < Hkv * hd * static_cast<int64_t>(sizeof(KV)); b += 64) __builtin_prefetch(at + b);
       };
-      for (int64_t p = p0; p < p1; ++p) {
-        fetch(kp, p + KV_AHEAD);
-        for (int64_t g = 0; g < Hkv; ++g) {
-          const float* k = row(kp, p, g);
-          for (int64_t j = 0; j < group; ++j) {
-            const int64_t h = g * group + j;
-            scores[h * S + p - p0] = sc * dot(qn + h * hd, k, hd);
+      // f(query head h, position p, its KV head's row of `pool`) over the split, position by position.
+      auto each_row = [&](const KV* pool, auto&& f) {
+        for (int64_t p = p0; p < p1; ++p) {
+          fetch(pool, p + KV_AHEAD);
+          for (int64_t g = 0; g < Hkv; ++g) {
+            const float* r = row(pool, p, g);
+            for (int64_t h = g * group; h < (g + 1) * group; ++h) f(h, p, r);
           }
         }
-      }
+      };
+      each_row(kp, [&](int64_t h, int64_t p, const float* k) { scores[h * S + p - p0] = sc * dot(qn + h * hd, k, hd); });
       for (int64_t h = 0; h < H; ++h) {
         float* s = scores.data() + h * S;
         float mx = s[0];
@@ -1100,18 +1101,11 @@ at::Tensor attention_decode_impl(const at::Tensor& qkv, const at::Tensor& q_norm
       }
       float* acc = part_acc.data() + item * H * hd;
       std::fill(acc, acc + H * hd, 0.f);
-      for (int64_t p = p0; p < p1; ++p) {
-        fetch(vp, p + KV_AHEAD);
-        for (int64_t g = 0; g < Hkv; ++g) {
-          const float* v = row(vp, p, g);
-          for (int64_t j = 0; j < group; ++j) {
-            const int64_t h = g * group + j;
-            const float w = scores[h * S + p - p0];
-            float* a = acc + h * hd;
-            for (int64_t i = 0; i < hd; ++i) a[i] += w * v[i];
-          }
-        }
-      }
+      each_row(vp, [&](int64_t h, int64_t p, const float* v) {
+        const float w = scores[h * S + p - p0];
+        float* a = acc + h * hd;
+        for (int64_t i = 0; i < hd; ++i) a[i] += w * v[i];
+      });
     }
   });
   // Merge each head's splits (rescaled to the largest max), normalise, gate by sigmoid(gate); a
