@@ -553,30 +553,56 @@ inline Sums superblock(const uint8_t* w, const int8_t* a, const int16_t* xs) {
   return KT::scalar(w, a, xs);
 }
 
+#ifdef __AVX2__
+// One weight row (nb super-blocks at w) · one activation row (q at a, d at dx; xs: its mins' sums,
+// `min_sums`), before the final horizontal sum: 8 float lanes whose sum is the product.
+template <class KT>
+ALWAYS_INLINE __m256 row_lanes(const uint8_t* w, const int8_t* a, const float* dx, const int16_t* xs, int64_t nb) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* wb = w + b * KT::bytes;
+    // One stream of weights keeps too few cache misses in flight: fetch ahead, past the row's end.
+    for (int line = 0; line < KT::bytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetch + line), _MM_HINT_T0);
+    __m256i s, m;
+    KT::avx2(wb, a + b * QK_K, xs + b * 16, s, m);
+    const float d = fp16(wb + KT::d_at) * dx[b];
+    if constexpr (KT::mins_in_d) {
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_sub_epi32(s, m)), acc);
+    } else {
+      const float dmin = -(fp16(wb + KT::dmin_at) * dx[b]);
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(s), acc);
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(m), acc);
+    }
+  }
+  return acc;
+}
+
+// The sums of 8 vectors of 8 floats → one vector, lane i the sum of v[i]: the horizontal sums of 8
+// weight rows in 9 instructions instead of 8 each.
+ALWAYS_INLINE __m256 hsum8_f32(const __m256* v) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// Eight consecutive weight rows (row_bytes apart) · one activation row → y[0..8): the rows' loops
+// inlined one after the other (the constants stay in registers) and one horizontal sum for all.
+// With K = 1024 a row is 4 super-blocks, and the per-row call and sum were a fifth of the time.
+template <class KT>
+void rows8_dot(const uint8_t* w, int64_t row_bytes, const int8_t* a, const float* dx, const int16_t* xs, int64_t nb,
+               float* y) {
+  __m256 acc[8];
+  for (int i = 0; i < 8; ++i) acc[i] = row_lanes<KT>(w + i * row_bytes, a, dx, xs, nb);
+  _mm256_storeu_ps(y, hsum8_f32(acc));
+}
+#endif
+
 // One weight row (nb super-blocks at w) · one activation row (q at a, d at dx; xs: its mins' sums, `min_sums`).
 template <class KT, Isa I>
 float row_dot(const uint8_t* w, const int8_t* a, const float* dx, const int16_t* xs, int64_t nb) {
 #ifdef __AVX2__
-  if constexpr (I == Isa::Avx2) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* wb = w + b * KT::bytes;
-      // One stream of weights keeps too few cache misses in flight: fetch ahead, past the row's end.
-      for (int line = 0; line < KT::bytes; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetch + line), _MM_HINT_T0);
-      __m256i s, m;
-      KT::avx2(wb, a + b * QK_K, xs + b * 16, s, m);
-      const float d = fp16(wb + KT::d_at) * dx[b];
-      if constexpr (KT::mins_in_d) {
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_sub_epi32(s, m)), acc);
-      } else {
-        const float dmin = -(fp16(wb + KT::dmin_at) * dx[b]);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(s), acc);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(m), acc);
-      }
-    }
-    return hsum_f32(acc);
-  }
+  if constexpr (I == Isa::Avx2) return hsum_f32(row_lanes<KT>(w, a, dx, xs, nb));
 #endif
   float y = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
@@ -896,7 +922,14 @@ void matmul_impl(const Q8K& xq, const uint8_t* w, int64_t N, float* y) {
   }
 #endif
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n)
+    int64_t n = n0;
+#ifdef __AVX2__
+    if constexpr (I == Isa::Avx2)
+      if (T == 1)
+        for (; n + 8 <= n1; n += 8)
+          rows8_dot<KT>(w + n * nb * KT::bytes, nb * KT::bytes, a1, dx, xs.data(), nb, y + n);
+#endif
+    for (; n < n1; ++n)
       for (int64_t t = 0; t < T; ++t)
         y[t * N + n] = row_dot<KT, I>(w + n * nb * KT::bytes, a1 + t * K, dx + t * nb, &xs[t * nb * 16], nb);
   });
