@@ -19,8 +19,9 @@ from hybridkv.ops.quant.weight import for_kernels
 K_QUANTS = [GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
 # The kernels' types: the file's, and Q4_K as repacked at load (checked against Q4_K's emulation).
 KERNEL_TYPES = [*K_QUANTS, GGMLType.Q4_K_R]
-SHAPES = [(1, 256, 1), (1, 4096, 37), (3, 768, 5), (7, 512, 17), (32, 256, 9), (70, 256, 45)]  # (T, K, N)
-# 70 x 45: two tiles of activation rows; with 32+ rows, two groups of 16 weight rows (AVX-512), 8, then 5 one by one
+SHAPES = [(1, 256, 1), (1, 4096, 37), (1, 1024, 45), (3, 768, 5), (7, 512, 17), (32, 256, 9), (70, 256, 45)]
+# (T, K, N). One row: weight rows eight at a time, the rest one by one. 70 x 45: two tiles of
+# activation rows; with 32+ rows, two groups of 16 weight rows (AVX-512), 8, then 5 one by one
 
 
 # --- the emulation -----------------------------------------------------------------------------
@@ -210,8 +211,8 @@ def test_matmul_is_float64_on_gguf_weights_and_q8_k_activations(t: GGMLType, T: 
 @pytest.mark.parametrize("t", KERNEL_TYPES, ids=lambda t: t.name)
 def test_experts_matmul_equals_each_tokens_product_on_its_expert(t: GGMLType) -> None:
     """Expert 0 meets 67 tokens (two tiles of the several-token path), expert 1 two, expert 2 one
-    (the one-token path)."""
-    E, N, K, f = 3, 9, 512, file_type(t)
+    (the one-token path: its rows eight at a time, the rest one by one)."""
+    E, N, K, f = 3, 21, 512, file_type(t)
     rows = np.stack([weight_rows(f, N, K, seed=e) for e in range(E)])
     ids = torch.tensor([0] * 33 + [1, 2] + [0] * 34 + [1])
     x = activations(len(ids), K, seed=5)

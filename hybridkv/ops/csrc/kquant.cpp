@@ -995,6 +995,13 @@ void experts_impl(const Q8K& xq, const uint8_t* w, const int64_t* ids, int64_t N
       const uint8_t* wr = w + (ids[pairs[start[g]]] * N + n) * row_bytes;
 #ifdef __AVX2__
       if constexpr (I == Isa::Avx2) {
+        // One token on this expert: eight of its rows at a time, as `matmul_impl`.
+        if (start[g + 1] - start[g] == 1 && n + 8 <= N && u + 8 <= u1) {
+          const int64_t p = pairs[start[g]];
+          rows8_dot<KT>(wr, row_bytes, a1 + p * K, dx + p * nb, &xs[p * nb * 16], nb, y + p * N + n);
+          u += 7;
+          continue;
+        }
         // Several tokens on this expert (prefill, batched decode): each super-block unpacked once for all.
         if (start[g + 1] - start[g] >= 2) {
           for (int64_t i = start[g]; i < start[g + 1]; i += TILE_T)
