@@ -19,9 +19,21 @@ from hybridkv.ops.quant.weight import for_kernels
 K_QUANTS = [GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
 # The kernels' types: the file's, and Q4_K as repacked at load (checked against Q4_K's emulation).
 KERNEL_TYPES = [*K_QUANTS, GGMLType.Q4_K_R]
-SHAPES = [(1, 256, 1), (1, 4096, 37), (1, 1024, 45), (3, 768, 5), (7, 512, 17), (32, 256, 9), (70, 256, 45)]
-# (T, K, N). One row: weight rows eight at a time, the rest one by one. 70 x 45: two tiles of
-# activation rows; with 32+ rows, two groups of 16 weight rows (AVX-512), 8, then 5 one by one
+SHAPES = [
+    (1, 256, 1),
+    (1, 4096, 37),
+    (1, 1024, 45),
+    (2, 1024, 9),
+    (3, 768, 5),
+    (5, 512, 11),
+    (7, 512, 17),
+    (32, 256, 9),
+    (70, 256, 45),
+]
+# (T, K, N). One row: weight rows eight at a time, the rest one by one. 2-15 rows (AVX-512): Q4_K_R
+# and Q6_K blocks decoded once for up to 4 rows (5 = 3 + 2, 7 = 4 + 3), or unpacked once for all.
+# 70 x 45: two tiles of activation rows; with 32+ rows, two groups of 16 weight rows (AVX-512), 8,
+# then 5 one by one
 
 
 # --- the emulation -----------------------------------------------------------------------------
