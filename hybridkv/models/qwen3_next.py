@@ -22,7 +22,7 @@ decode, `native.gdn_forward`), and so does an attention layer's decode step (`na
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +68,14 @@ class RMSNorm(nn.Module):
             return native.rms_norm(x, self.weight, self.eps)
         y = F.rms_norm(f32(x), self.weight.shape, self.weight, self.eps)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    def add(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, this norm of it): a residual add and the norm after it, in one C++ call where
+        `forward` would take the kernel (the same numbers)."""
+        if x.shape[0] <= FEW_ROWS and x.shape == delta.shape and native.enabled(x, delta, self.weight):
+            return native.add_rms_norm(x, delta, self.weight, self.eps)
+        total = x + delta
+        return total, self(total)
 
 
 class GatedDeltaNet(nn.Module):
@@ -240,11 +248,27 @@ class DecoderLayer(nn.Module):
         self.post_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.mixer, GatedDeltaNet):
-            x = x + self.mixer(self.input_norm(x), batch)
-        else:
-            x = x + self.mixer(self.input_norm(x), batch, cos, sin)
+        x = x + self.mix(self.input_norm(x), batch, cos, sin)
         return x + self.ffn(self.post_norm(x))
+
+    def forward_normed(
+        self,
+        x: torch.Tensor,
+        normed: torch.Tensor,
+        batch: ForwardBatch,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        next_norm: RMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` given input_norm(x) → (its output, next_norm of the output): each residual add
+        taken with the norm after it (`RMSNorm.add`), for a decode step's per-layer op count."""
+        h, n = self.post_norm.add(x, self.mix(normed, batch, cos, sin))
+        return next_norm.add(h, self.ffn(n))
+
+    def mix(self, normed: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.mixer, GatedDeltaNet):
+            return self.mixer(normed, batch)
+        return self.mixer(normed, batch, cos, sin)
 
 
 class Qwen3NextModel(nn.Module):
@@ -293,16 +317,28 @@ class Qwen3NextModel(nn.Module):
             # keep the activations float32 rather than cast them down and back up around every call.
             x = x.float()
         cos, sin = self.rope(batch.positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, batch, cos, sin)
-        if self.mtp is not None:
+        if batch.num_tokens <= FEW_ROWS and len(self.layers) > 0 and native.enabled(x):
+            # A decode step or a verify (the norms' kernel range): each residual add taken with the
+            # norm after it (the next layer's input norm; the final norm after the last layer), half
+            # the per-layer ops around the kernels.
+            layers = cast(list[DecoderLayer], list(self.layers))
+            normed = layers[0].input_norm(x)
+            for i, decoder in enumerate(layers):
+                after = layers[i + 1].input_norm if i + 1 < len(layers) else self.norm
+                x, normed = decoder.forward_normed(x, normed, batch, cos, sin, after)
+        else:
+            for layer in self.layers:
+                x = layer(x, batch, cos, sin)
+            if self.mtp is None:  # the final norm on the rows that give logits only
+                if logits_indices is not None:
+                    x = x.index_select(0, logits_indices)
+                return self.head(self.norm(x))
             normed = self.norm(x)
+        if self.mtp is not None:
             self.mtp.catch_up(embeds, normed if self.mtp.hidden == "post_norm" else x, batch, self.rope)
-            x = normed if logits_indices is None else normed.index_select(0, logits_indices)
-            return self.head(x)
         if logits_indices is not None:
-            x = x.index_select(0, logits_indices)
-        return self.head(self.norm(x))
+            normed = normed.index_select(0, logits_indices)
+        return self.head(normed)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] → embeddings [T, D] in the compute dtype."""

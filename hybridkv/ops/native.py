@@ -6,6 +6,7 @@ compiler, `HYBRIDKV_NATIVE=0`) and that the tests compare it with:
     rows_matmul(x, w)            x @ w for a few rows (decode batches), w [D, N] float32 or bfloat16
     rows_matmul_t(x, w)          x @ wᵀ for a few rows, w [N, D] (a tied lm_head: the embedding)
     rms_norm(x, w, eps)          F.rms_norm in float32
+    add_rms_norm(x, d, w, eps)   (x + d, rms_norm(x + d, w, eps)): a residual add and the norm after it
     silu_mul(gate_up)            ops.matmul.silu_mul in float32 (SwiGLU's activation)
     moe_block(x, ...)            hybridkv.ops.moe.moe_block's PyTorch path (router, experts, shared expert)
     gdn_forward(mixed, ...)      GatedDeltaNet's PyTorch path after in_proj (conv, norms, gates, delta rule)
@@ -144,6 +145,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) · weight over the last dim (float32 math), in x's dtype: `F.rms_norm` in one call
     (on the CPU that is half a dozen ops)."""
     return _ops().rms_norm(x, weight, eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, `rms_norm`(x + delta, weight, eps)) in one call: a decoder layer's residual add
+    and the norm that follows it, the same numbers as the two ops."""
+    total, normed = _ops().add_rms_norm(x, delta, weight, eps)
+    return total, normed
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

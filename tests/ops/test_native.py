@@ -250,6 +250,21 @@ def test_rms_norm_equals_torch(dtype: torch.dtype, shape: tuple[int, ...]) -> No
     assert_close(native.rms_norm(x, w, 1e-6), want, rel=1e-5 if dtype == torch.float32 else 1e-2, dtype=dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 64), (5, 37)])
+def test_add_rms_norm_is_the_add_then_the_norm(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    gen = torch.Generator().manual_seed(shape[0])
+    x, delta = (torch.randn(*shape, generator=gen).to(dtype) for _ in range(2))
+    w = torch.rand(shape[-1], generator=gen) + 0.5
+    total, normed = native.add_rms_norm(x, delta, w, 1e-6)
+    assert total.dtype == normed.dtype == dtype
+    assert torch.equal(total, x + delta)  # the same numbers as the two ops, not just close
+    assert torch.equal(normed, native.rms_norm(x + delta, w, 1e-6))
+    assert_close(normed, F.rms_norm((x + delta).float(), (shape[-1],), w, 1e-6).to(dtype), rel=1e-2, dtype=dtype)
+    with pytest.raises(RuntimeError, match="add_rms_norm: x .* and delta .* differ"):
+        native.add_rms_norm(x, delta[:, :-1], w, 1e-6)
+
+
 @pytest.mark.parametrize(("T", "I"), [(1, 3584), (5, 37), (32, 512)])  # 37: a tail past the vectors
 def test_silu_mul_equals_the_pytorch_twin(T: int, I: int) -> None:  # noqa: E741
     gate_up = torch.randn(T, 2 * I, generator=torch.Generator().manual_seed(I)) * 4

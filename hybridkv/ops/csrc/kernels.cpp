@@ -1193,6 +1193,25 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double 
   return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
 }
 
+// (x + delta, rms_norm(x + delta)): a decoder layer's residual add and the norm after it in one
+// call (two ops and their Python around each of the 2 per layer of a decode step). The sum is
+// `x + delta` as PyTorch computes it (float32 sums added here, other dtypes by at::add).
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta,
+                                                const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.sizes() == delta.sizes(), "add_rms_norm: x ", x.sizes(), " and delta ", delta.sizes(), " differ");
+  at::Tensor sum;
+  if (x.scalar_type() == at::kFloat && delta.scalar_type() == at::kFloat) {
+    const at::Tensor a = x.contiguous(), b = delta.contiguous();
+    sum = at::empty_like(a);
+    const float *ap = a.data_ptr<float>(), *bp = b.data_ptr<float>();
+    float* sp = sum.data_ptr<float>();
+    for (int64_t i = 0, n = a.numel(); i < n; ++i) sp[i] = ap[i] + bp[i];
+  } else {
+    sum = at::add(x, delta);
+  }
+  return {sum, rms_norm(sum, weight, eps)};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(hybridkv, m) {
@@ -1206,6 +1225,7 @@ TORCH_LIBRARY(hybridkv, m) {
       "int Hk, int dk, Tensor(a!) conv_pool, Tensor(b!) delta_pool, Tensor slots, Tensor cu_seqlens, "
       "Tensor(c!) snap_conv, Tensor(d!) snap_delta, Tensor snap_tokens, Tensor snap_ids, bool tiled) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def(
       "attention_decode(Tensor qkv, Tensor q_norm, Tensor k_norm, float eps, Tensor cos, Tensor sin, "
@@ -1219,6 +1239,7 @@ TORCH_LIBRARY_IMPL(hybridkv, CPU, m) {
   m.impl("moe_block", moe_block);
   m.impl("gdn_forward", gdn_forward);
   m.impl("rms_norm", rms_norm);
+  m.impl("add_rms_norm", add_rms_norm);
   m.impl("silu_mul", silu_mul);
   m.impl("attention_decode", attention_decode);
 }
