@@ -220,6 +220,24 @@ def test_matmul_is_float64_on_gguf_weights_and_q8_k_activations(t: GGMLType, T: 
 
 
 @pytest.mark.skipif(native.kernels() is None, reason="C++ kernels could not be built here")
+@pytest.mark.parametrize("T", [1, 3, 7, 20, 40])  # every form of the product: 1 row, decoded, unpacked, 16-row
+def test_matmul_parts_is_each_parts_product_side_by_side(T: int) -> None:
+    """A projection in parts of different K-quant types (a Q4_K_M file's q|k|v and z) in one call:
+    each part's columns exactly what its own call gives (the same quantized activations)."""
+    K, f = 512, [(GGMLType.Q6_K, 19), (GGMLType.Q4_K_R, 16), (GGMLType.Q5_K, 9), (GGMLType.Q4_K, 8)]
+    x = activations(T, K, seed=T)
+    ws = [kernel_rows(t, weight_rows(file_type(t), N, K, seed=N)) for t, N in f]
+    for isa in k_dot.available_isas():
+        got = k_dot.native_k_matmul_parts(x, ws, [int(t) for t, _ in f], isa)
+        want = torch.cat([k_dot.native_k_matmul(x, w, t, isa) for w, (t, _) in zip(ws, f, strict=True)], 1)
+        assert torch.equal(got, want), isa
+    with pytest.raises(RuntimeError, match="one type per weight"):
+        k_dot.native_k_matmul_parts(x, ws, [int(GGMLType.Q6_K)])
+    with pytest.raises(RuntimeError, match="kq_matmul_parts: activations of 512 features need rows of"):
+        k_dot.native_k_matmul_parts(x, ws[:1], [int(GGMLType.Q4_K)])
+
+
+@pytest.mark.skipif(native.kernels() is None, reason="C++ kernels could not be built here")
 @pytest.mark.parametrize("t", KERNEL_TYPES, ids=lambda t: t.name)
 def test_experts_matmul_equals_each_tokens_product_on_its_expert(t: GGMLType) -> None:
     """Expert 0 meets 67 tokens (two tiles of the several-token path), expert 1 two, expert 2 one

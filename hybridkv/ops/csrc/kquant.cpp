@@ -977,7 +977,7 @@ constexpr int64_t ROWS16_FROM = 16;
 // y [T, N] = x @ W.T: threads split W's rows; each weight row is read once from memory and dotted
 // with every activation row while it sits in L1 (T >= 2: each super-block unpacked once for all).
 template <class KT, Isa I>
-void matmul_impl(const Q8K& xq, const uint8_t* w, int64_t N, float* y) {
+void matmul_impl(const Q8K& xq, const uint8_t* w, int64_t N, float* y, int64_t ldy) {
   const int64_t T = xq.q.size(0), K = xq.q.size(1), nb = K / QK_K;
   const int8_t* a = xq.q.data_ptr<int8_t>();
   const float* dx = xq.d.data_ptr<float>();
@@ -996,10 +996,10 @@ void matmul_impl(const Q8K& xq, const uint8_t* w, int64_t N, float* y) {
             for (int64_t t = 0; t < T;) {
               const int64_t left = T - t, take = left == 5 ? 3 : std::min<int64_t>(4, left);
               switch (take) {
-                case 4: rows_dot_decoded<KT, 4>(wr, a1, K, dx, xs.data(), nb, t, yn, N); break;
-                case 3: rows_dot_decoded<KT, 3>(wr, a1, K, dx, xs.data(), nb, t, yn, N); break;
-                case 2: rows_dot_decoded<KT, 2>(wr, a1, K, dx, xs.data(), nb, t, yn, N); break;
-                default: rows_dot_decoded<KT, 1>(wr, a1, K, dx, xs.data(), nb, t, yn, N); break;
+                case 4: rows_dot_decoded<KT, 4>(wr, a1, K, dx, xs.data(), nb, t, yn, ldy); break;
+                case 3: rows_dot_decoded<KT, 3>(wr, a1, K, dx, xs.data(), nb, t, yn, ldy); break;
+                case 2: rows_dot_decoded<KT, 2>(wr, a1, K, dx, xs.data(), nb, t, yn, ldy); break;
+                default: rows_dot_decoded<KT, 1>(wr, a1, K, dx, xs.data(), nb, t, yn, ldy); break;
               }
               t += take;
             }
@@ -1029,7 +1029,7 @@ void matmul_impl(const Q8K& xq, const uint8_t* w, int64_t N, float* y) {
               // The first tile fetches the next 16 rows: 16 short strided streams defeat the hardware prefetcher.
               const uint8_t* ahead = t0 == 0 && end + 16 <= N ? w + end * nb * KT::bytes : nullptr;
               rows16_kdot<KT>(w + n * nb * KT::bytes, nb * KT::bytes, nb, K, a, dx, xs.data(), all_rows.data() + t0,
-                              tiles, y + n, N, acc16.data(), ahead);
+                              tiles, y + n, ldy, acc16.data(), ahead);
               n += 16;
             }
 #endif
@@ -1037,11 +1037,11 @@ void matmul_impl(const Q8K& xq, const uint8_t* w, int64_t N, float* y) {
             if (T >= ROWS8_FROM)
               for (; n + 8 <= end; n += 8)
                 rows8_kdot<KT>(w + n * nb * KT::bytes, nb * KT::bytes, nb, K, a, dx, xs.data(), all_rows.data() + t0,
-                               tiles, y + n, N, acc.data());
+                               tiles, y + n, ldy, acc.data());
 #endif
             for (; n < end; ++n)
               rows_dot_unpacked<KT>(w + n * nb * KT::bytes, nb, K, a1, dx, xs.data(), all_rows.data() + t0, tiles,
-                                    y + n, N, acc.data(), t0 == 0);
+                                    y + n, ldy, acc.data(), t0 == 0);
           }
       });
       return;
@@ -1058,7 +1058,7 @@ void matmul_impl(const Q8K& xq, const uint8_t* w, int64_t N, float* y) {
 #endif
     for (; n < n1; ++n)
       for (int64_t t = 0; t < T; ++t)
-        y[t * N + n] = row_dot<KT, I>(w + n * nb * KT::bytes, a1 + t * K, dx + t * nb, &xs[t * nb * 16], nb);
+        y[t * ldy + n] = row_dot<KT, I>(w + n * nb * KT::bytes, a1 + t * K, dx + t * nb, &xs[t * nb * 16], nb);
   });
 }
 
@@ -1083,19 +1083,45 @@ at::Tensor kq_superblock_sums(const at::Tensor& q_in, const at::Tensor& bsums_in
   return out;
 }
 
-at::Tensor kq_matmul(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type, const std::string& isa) {
-  TORCH_CHECK(x.dim() == 2, "kq_matmul: x must be [T, K], got ", x.sizes());
-  const int64_t N = check_rows(w, x.size(1), ggml_type, "kq_matmul");
-  const Isa path = parse_isa(isa);
-  const Q8K xq = quantize(x);
-  at::Tensor y = at::empty({x.size(0), N}, x.options().dtype(at::kFloat));
-  const auto args = std::make_tuple(std::cref(xq), w.data_ptr<uint8_t>(), N, y.data_ptr<float>());
+// y[:, 0:N) of a [T, ldy] output = x @ W.T for K-quant rows w [N, ·] of `ggml_type`, x already quantized.
+void matmul_into(const Q8K& xq, const at::Tensor& w, int64_t N, int64_t ggml_type, Isa path, float* y, int64_t ldy) {
+  const auto args = std::make_tuple(std::cref(xq), w.data_ptr<uint8_t>(), N, y, ldy);
   const bool avx2 = path == Isa::Avx2;
   switch (ggml_type) {
     case 12: std::apply(avx2 ? matmul_impl<Q4K, Isa::Avx2> : matmul_impl<Q4K, Isa::Scalar>, args); break;
     case 13: std::apply(avx2 ? matmul_impl<Q5K, Isa::Avx2> : matmul_impl<Q5K, Isa::Scalar>, args); break;
     case 14: std::apply(avx2 ? matmul_impl<Q6K, Isa::Avx2> : matmul_impl<Q6K, Isa::Scalar>, args); break;
     case kQ4KR: std::apply(avx2 ? matmul_impl<Q4KR, Isa::Avx2> : matmul_impl<Q4KR, Isa::Scalar>, args); break;
+  }
+}
+
+at::Tensor kq_matmul(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type, const std::string& isa) {
+  TORCH_CHECK(x.dim() == 2, "kq_matmul: x must be [T, K], got ", x.sizes());
+  const int64_t N = check_rows(w, x.size(1), ggml_type, "kq_matmul");
+  const Isa path = parse_isa(isa);
+  const Q8K xq = quantize(x);
+  at::Tensor y = at::empty({x.size(0), N}, x.options().dtype(at::kFloat));
+  matmul_into(xq, w, N, ggml_type, path, y.data_ptr<float>(), N);
+  return y;
+}
+
+// x @ [W_0 | W_1 | ...] → [T, ΣN_i]: a projection held as parts of K-quant types (a Q4_K_M file's
+// fused q|k|v of Q6_K beside z of Q4_K) in one call, x quantized once and each part's products
+// written into its columns (instead of a call per part and a concatenation).
+at::Tensor kq_matmul_parts(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, const std::string& isa) {
+  TORCH_CHECK(x.dim() == 2, "kq_matmul_parts: x must be [T, K], got ", x.sizes());
+  TORCH_CHECK(!ws.empty() && ws.size() == types.size(), "kq_matmul_parts: ", ws.size(), " weights and ", types.size(),
+              " types: one type per weight, at least one");
+  std::vector<int64_t> rows(ws.size());
+  int64_t total = 0;
+  for (size_t i = 0; i < ws.size(); ++i) total += rows[i] = check_rows(ws[i], x.size(1), types[i], "kq_matmul_parts");
+  const Isa path = parse_isa(isa);
+  const Q8K xq = quantize(x);
+  at::Tensor y = at::empty({x.size(0), total}, x.options().dtype(at::kFloat));
+  int64_t col = 0;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    matmul_into(xq, ws[i], rows[i], types[i], path, y.data_ptr<float>() + col, total);
+    col += rows[i];
   }
   return y;
 }
@@ -1202,6 +1228,7 @@ TORCH_LIBRARY_FRAGMENT(hybridkv, m) {
   m.def("quantize_rows_q8_k(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("kq_superblock_sums(Tensor q, Tensor bsums, Tensor w, int ggml_type, str isa) -> Tensor");
   m.def("kq_matmul(Tensor x, Tensor w, int ggml_type, str isa) -> Tensor");
+  m.def("kq_matmul_parts(Tensor x, Tensor[] ws, int[] types, str isa) -> Tensor");
   m.def("kq_repack_q4_k(Tensor rows, bool inverse) -> Tensor");
 }
 
@@ -1209,6 +1236,7 @@ TORCH_LIBRARY_IMPL(hybridkv, CPU, m) {
   m.impl("quantize_rows_q8_k", quantize_rows_q8_k);
   m.impl("kq_superblock_sums", kq_superblock_sums);
   m.impl("kq_matmul", kq_matmul);
+  m.impl("kq_matmul_parts", kq_matmul_parts);
   m.impl("kq_experts_matmul", kq_experts_matmul);
   m.impl("kq_repack_q4_k", kq_repack_q4_k);
 }

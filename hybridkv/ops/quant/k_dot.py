@@ -17,6 +17,7 @@ Shapes: x [T, K] float32 (K a multiple of 256, nb = K/256); W rows uint8 [N, nb�
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -167,6 +168,15 @@ def native_superblock_sums(x: Q8KRows, rows: torch.Tensor, ggml_id: int, isa: st
 def native_k_matmul(x: torch.Tensor, rows: torch.Tensor, ggml_id: int, isa: str = "auto") -> torch.Tensor:
     """`k_matmul_twin` by the C++ kernel: each row of x quantized once, the weight streamed once."""
     return _ops().kq_matmul(x, rows, ggml_id, isa)
+
+
+def native_k_matmul_parts(
+    x: torch.Tensor, parts: Sequence[torch.Tensor], ggml_ids: Sequence[int], isa: str = "auto"
+) -> torch.Tensor:
+    """x @ [W_0 | W_1 | ...]ᵀ → [T, ΣN_i] float32 for K-quant row blocks `parts` of types `ggml_ids`
+    (a projection stored in parts of different types): `native_k_matmul` of each, concatenated,
+    in one call with x quantized once."""
+    return _ops().kq_matmul_parts(x, list(parts), list(ggml_ids), isa)
 
 
 def k_matmul(ggml_id: int) -> MatmulFn:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from hybridkv.ops import native
 from hybridkv.ops.matmul import mm
 from hybridkv.ops.quant.int8_dot import native_q8_experts_matmul
-from hybridkv.ops.quant.k_dot import native_k_experts_matmul
+from hybridkv.ops.quant.k_dot import native_k_experts_matmul, native_k_matmul_parts
+from hybridkv.ops.quant.traits import GGMLType
 from hybridkv.ops.quant.weight import QuantizedWeight
 
 # Rows of a weight dequantized at once for a many-row product: bounds the float32 copy (16 MiB at
@@ -87,11 +88,26 @@ class QuantLinear:
     float tensor [in, out_i] (applied with `ops.matmul.mm`)."""
 
     parts: tuple[Part, ...]
+    # Every part a K-quant's blocks, contiguous, with a kernel: (blocks, ggml types) for one call of
+    # `native_k_matmul_parts` (the activations quantized once, no concatenation); else None.
+    k_parts: tuple[tuple[torch.Tensor, ...], tuple[int, ...]] | None = field(
+        init=False, default=None, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         ins = {p.shape[-1] if isinstance(p, QuantizedWeight) else p.shape[0] for p in self.parts}
         if not self.parts or len(ins) != 1 or any(p.dim() != 2 for p in self.parts if isinstance(p, torch.Tensor)):
             raise ValueError(f"a projection's parts must share their input features, got {self.shapes}")
+        if all(
+            isinstance(p, QuantizedWeight)
+            and p.btype.vec_dot_type == GGMLType.Q8_K
+            and p.btype.matmul is not None
+            and p.blocks.is_contiguous()
+            for p in self.parts
+        ):
+            blocks = tuple(p.blocks for p in self.parts if isinstance(p, QuantizedWeight))
+            types = tuple(int(p.btype.ggml_type) for p in self.parts if isinstance(p, QuantizedWeight))
+            object.__setattr__(self, "k_parts", (blocks, types))
 
     @property
     def shapes(self) -> list[tuple[int, ...]]:
@@ -115,6 +131,8 @@ class QuantLinear:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] @ W → [T, out] in x's dtype."""
+        if self.k_parts is not None and not getattr(_mode, "float", False) and native.enabled(x):
+            return native_k_matmul_parts(x.float(), *self.k_parts).to(x.dtype)
         ys = [block_matmul(x, p) if isinstance(p, QuantizedWeight) else mm(x, p) for p in self.parts]
         y = ys[0] if len(ys) == 1 else torch.cat([y.float() for y in ys], dim=-1)
         return y.to(x.dtype)
