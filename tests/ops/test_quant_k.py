@@ -220,6 +220,24 @@ def test_matmul_is_float64_on_gguf_weights_and_q8_k_activations(t: GGMLType, T: 
 
 
 @pytest.mark.skipif(native.kernels() is None, reason="C++ kernels could not be built here")
+@pytest.mark.parametrize("t", KERNEL_TYPES, ids=lambda t: t.name)
+def test_dequantize_rows_is_gguf_dequantize_of_those_rows_bit_for_bit(t: GGMLType) -> None:
+    """An embedding lookup on a file's blocks: the C++ rows equal gguf-py's and the PyTorch twin's
+    exactly (a decode step looks its token up there, a prefill through the same kernel or the twin)."""
+    V, K = 23, 768
+    rows = weight_rows(file_type(t), V, K, seed=V)
+    ids = torch.tensor([0, 22, 5, 5, 17])
+    got = k_dot.native_k_dequantize_rows(kernel_rows(t, rows), ids, int(t))
+    want = torch.from_numpy(gguf_dequantize(rows[ids.numpy()], block_type(file_type(t)))).float()
+    assert torch.equal(got, want.view(len(ids), K))
+    twin = QuantizedWeight(kernel_rows(t, rows), block_type(t), (V, K)).dequantize()
+    assert torch.equal(got, twin[ids])
+    assert k_dot.native_k_dequantize_rows(kernel_rows(t, rows), ids[:0], int(t)).shape == (0, K)
+    with pytest.raises(RuntimeError, match="row 23 out of range for 23 rows"):
+        k_dot.native_k_dequantize_rows(kernel_rows(t, rows), torch.tensor([23]), int(t))
+
+
+@pytest.mark.skipif(native.kernels() is None, reason="C++ kernels could not be built here")
 @pytest.mark.parametrize("T", [1, 3, 7, 20, 40])  # every form of the product: 1 row, decoded, unpacked, 16-row
 def test_matmul_parts_is_each_parts_product_side_by_side(T: int) -> None:
     """A projection in parts of different K-quant types (a Q4_K_M file's q|k|v and z) in one call:
