@@ -13,7 +13,7 @@ from tiny import TinyCache
 import hybridkv.ops.quant.linear as quant_linear
 from hybridkv.models import load_model, weights_nbytes
 from hybridkv.models.qwen3_next import GatedDeltaNet
-from hybridkv.ops.quant import QuantizedWeight
+from hybridkv.ops.quant import GGMLType, QuantizedWeight, block_type
 from hybridkv.ops.quant.int8_dot import FEW_ROWS, quantize_rows_q8
 from hybridkv.ops.quant.k_dot import quantize_rows_q8_k
 from hybridkv.ops.quant.linear import QuantExperts, QuantLinear, float_activations
@@ -66,13 +66,29 @@ def test_whole_models_8bit_products_are_the_activation_rounding_and_nothing_else
     # carries that step on to every later token: up to 1% apart, more or less often with the
     # CPU's summation order.)
     kernel, errors = quant_linear.block_matmul, []
+    k_parts, q8 = quant_linear.native_k_matmul_parts, quant_linear.native_q8_matmul
 
-    def checked(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
-        got, want = kernel(x, w), emulated(x, w)
+    def check(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
         errors.append(float((got - want).abs().max() / want.abs().max().clamp(min=1e-30)))
         return got
 
+    def checked(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+        return check(kernel(x, w), emulated(x, w))
+
+    def part(blocks: torch.Tensor, t: int, K: int) -> QuantizedWeight:
+        return QuantizedWeight(blocks, block_type(GGMLType(t)), (blocks.shape[0], K))
+
+    def checked_parts(x: torch.Tensor, parts: tuple[torch.Tensor, ...], types: tuple[int, ...]) -> torch.Tensor:
+        want = [emulated(x, part(b, t, x.shape[1])) for b, t in zip(parts, types, strict=True)]
+        return check(k_parts(x, parts, types), torch.cat(want, 1))
+
+    def checked_q8(x: torch.Tensor, blocks: torch.Tensor, t: int) -> torch.Tensor:
+        return check(q8(x, blocks, t), emulated(x, part(blocks, t, x.shape[1])))
+
+    # Every path a block product takes: `block_matmul`, and `QuantLinear`'s direct kernel calls.
     monkeypatch.setattr(quant_linear, "block_matmul", checked)
+    monkeypatch.setattr(quant_linear, "native_k_matmul_parts", checked_parts)
+    monkeypatch.setattr(quant_linear, "native_q8_matmul", checked_q8)
     assert torch.equal(run(model, tokens), ours)
     assert len(errors) >= len(tokens) and max(errors) <= 1e-6, max(errors)
     with float_activations():

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from hybridkv.ops import native
 from hybridkv.ops.matmul import mm
-from hybridkv.ops.quant.int8_dot import native_q8_experts_matmul
+from hybridkv.ops.quant.int8_dot import native_q8_experts_matmul, native_q8_matmul
 from hybridkv.ops.quant.k_dot import native_k_experts_matmul, native_k_matmul_parts
 from hybridkv.ops.quant.traits import GGMLType
 from hybridkv.ops.quant.weight import QuantizedWeight
@@ -93,6 +93,9 @@ class QuantLinear:
     k_parts: tuple[tuple[torch.Tensor, ...], tuple[int, ...]] | None = field(
         init=False, default=None, repr=False, compare=False
     )
+    # One part of a 32-weight type (Q8_0, Q5_0, ...) with a kernel: (blocks, ggml type) for a direct
+    # `native_q8_matmul` call (the Python of `block_matmul` and the traits table skipped); else None.
+    q8_part: tuple[torch.Tensor, int] | None = field(init=False, default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         ins = {p.shape[-1] if isinstance(p, QuantizedWeight) else p.shape[0] for p in self.parts}
@@ -108,6 +111,14 @@ class QuantLinear:
             blocks = tuple(p.blocks for p in self.parts if isinstance(p, QuantizedWeight))
             types = tuple(int(p.btype.ggml_type) for p in self.parts if isinstance(p, QuantizedWeight))
             object.__setattr__(self, "k_parts", (blocks, types))
+        (part,) = self.parts if len(self.parts) == 1 else (None,)
+        if (
+            isinstance(part, QuantizedWeight)
+            and part.btype.vec_dot_type in (GGMLType.Q8_0, GGMLType.Q8_1)
+            and part.btype.matmul is not None
+            and part.blocks.is_contiguous()
+        ):
+            object.__setattr__(self, "q8_part", (part.blocks, int(part.btype.ggml_type)))
 
     @property
     def shapes(self) -> list[tuple[int, ...]]:
@@ -131,8 +142,12 @@ class QuantLinear:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] @ W → [T, out] in x's dtype."""
-        if self.k_parts is not None and not getattr(_mode, "float", False) and native.enabled(x):
-            return native_k_matmul_parts(x.float(), *self.k_parts).to(x.dtype)
+        direct = self.k_parts is not None or self.q8_part is not None
+        if direct and not getattr(_mode, "float", False) and native.enabled(x):
+            if self.k_parts is not None:
+                return native_k_matmul_parts(x.float(), *self.k_parts).to(x.dtype)
+            if self.q8_part is not None:
+                return native_q8_matmul(x.float(), *self.q8_part).to(x.dtype)
         ys = [block_matmul(x, p) if isinstance(p, QuantizedWeight) else mm(x, p) for p in self.parts]
         y = ys[0] if len(ys) == 1 else torch.cat([y.float() for y in ys], dim=-1)
         return y.to(x.dtype)
