@@ -38,7 +38,6 @@ from hybridkv.ops.delta_rule import chunk_gated_delta_rule, recurrent_gated_delt
 from hybridkv.ops.dtypes import f32
 from hybridkv.ops.matmul import FEW_ROWS, Weight, linear, mm_t, swiglu
 from hybridkv.ops.moe import Experts, moe_block
-from hybridkv.ops.quant.k_dot import K_DEQUANTIZE_ROWS, native_k_dequantize_rows
 from hybridkv.ops.quant.linear import QuantExperts, QuantLinear, block_matmul
 from hybridkv.ops.quant.weight import QuantizedWeight
 
@@ -389,10 +388,7 @@ class Qwen3NextModel(nn.Module):
 
 def _embedding(ids: torch.Tensor, embed: torch.Tensor | QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
     if isinstance(embed, QuantizedWeight):  # the looked-up rows only
-        if embed.btype.ggml_type in K_DEQUANTIZE_ROWS and embed.blocks.is_contiguous() and native.enabled(ids):
-            return native_k_dequantize_rows(embed.blocks, ids, int(embed.btype.ggml_type)).to(dtype)
-        rows = QuantizedWeight(embed.blocks.index_select(0, ids), embed.btype, (ids.shape[0], embed.shape[1]))
-        return rows.dequantize().to(dtype)
+        return embed.rows(ids).to(dtype)
     return F.embedding(ids, embed)
 
 

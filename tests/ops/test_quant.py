@@ -20,6 +20,7 @@ from hybridkv.ops.quant import (
     int8_dot,
     traits,
 )
+from hybridkv.ops.quant import blocks as block_fns
 from hybridkv.ops.quant import dequantize as dequantize_rows
 
 gguf = pytest.importorskip("gguf")
@@ -246,6 +247,28 @@ def test_native_q8_matmul_equals_the_twin(t: GGMLType, T: int, K: int, N: int, q
     want = int8_dot.q8_matmul_twin(x, rows, t)
     for isa in int8_dot.available_isas():
         assert_close(int8_dot.native_q8_matmul(x, rows, t, isa), want, rel=1e-6)
+
+
+@pytest.mark.parametrize("t", [t.ggml_type for t in TRAITS.values()], ids=lambda t: t.name)
+@pytest.mark.parametrize("use_native", [True, False], ids=["native", "pytorch"])
+def test_weight_rows_are_the_dequantized_rows_bit_for_bit(
+    t: GGMLType, use_native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An embedding lookup on a file's blocks (`QuantizedWeight.rows`; one C++ call for the types
+    with a kernel): exactly gguf-py's rows, by the kernel and by the twin."""
+    monkeypatch.setattr(native, "disabled", not use_native)
+    V, K = 13, 512
+    file_t = GGMLType.Q4_K if t == GGMLType.Q4_K_R else t
+    rows = random_rows(block_type(file_t), (V,), K, seed=V)
+    w = QuantizedWeight.of(torch.from_numpy(rows), file_t)
+    if t == GGMLType.Q4_K_R:
+        w = QuantizedWeight(block_fns.repack_q4_k(w.blocks), block_type(t), w.shape)
+    ids = torch.tensor([12, 0, 7, 7])
+    want = torch.from_numpy(gguf_dequantize(rows[ids.numpy()], block_type(file_t))).float().view(len(ids), K)
+    assert torch.equal(w.rows(ids), want)
+    if use_native and native.kernels() is not None and block_type(t).matmul is not None:
+        with pytest.raises(RuntimeError, match="row 13 out of range for 13 rows"):
+            w.rows(torch.tensor([13]))
 
 
 @needs_native

@@ -741,6 +741,38 @@ void matmul_impl(const int8_t* a, const float* dx, const float* sx, int64_t T, c
   });
 }
 
+// Rows ids of 32-weight-type rows w [V, K/32·bytes] as float32 [n, K]: an embedding lookup on a
+// file's blocks, bit-identical to `QuantizedWeight.dequantize` of those rows (d·code, + m for the
+// types with a min: d·code is exact in float32, so a fused multiply-add rounds the sum alike).
+at::Tensor q8_dequantize_rows(const at::Tensor& w, const at::Tensor& ids_in, int64_t ggml_type) {
+  at::Tensor out;
+  visit_block(ggml_type, [&](auto block) {
+    using B = decltype(block);
+    TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.size(1) % B::BYTES == 0,
+                "q8_dequantize_rows: rows must be a contiguous uint8 [V, K/32*", B::BYTES, "] tensor, got ",
+                w.scalar_type(), " ", w.sizes());
+    const at::Tensor ids = ids_in.to(at::kLong).contiguous();
+    const int64_t n = ids.numel(), V = w.size(0), nb = w.size(1) / B::BYTES;
+    const int64_t* id = ids.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i)
+      TORCH_CHECK(id[i] >= 0 && id[i] < V, "q8_dequantize_rows: row ", id[i], " out of range for ", V, " rows");
+    out = at::empty({n, nb * QK8}, w.options().dtype(at::kFloat));
+    const uint8_t* wp = w.data_ptr<uint8_t>();
+    float* op = out.data_ptr<float>();
+    at::parallel_for(0, n * nb, 1024, [&](int64_t b0, int64_t b1) {
+      int8_t q[QK8];
+      for (int64_t b = b0; b < b1; ++b) {
+        const uint8_t* blk = wp + (id[b / nb] * nb + b % nb) * B::BYTES;
+        B::codes(blk, q);
+        const float d = fp16(blk), m = B::HAS_MIN ? fp16(blk + 2) : 0.f;
+        float* dst = op + b * QK8;
+        for (int j = 0; j < QK8; ++j) dst[j] = B::HAS_MIN ? static_cast<float>(q[j]) * d + m : static_cast<float>(q[j]) * d;
+      }
+    });
+  });
+  return out;
+}
+
 at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type, const std::string& isa) {
   TORCH_CHECK(x.dim() == 2, "q8_matmul: x must be [T, K], got ", x.sizes());
   const int64_t T = x.size(0), K = x.size(1), N = check_rows(w, K, ggml_type, "q8_matmul"), nb = K / QK8;
@@ -804,11 +836,13 @@ TORCH_LIBRARY_FRAGMENT(hybridkv, m) {
   m.def("quantize_rows_q8(Tensor x) -> (Tensor, Tensor)");
   m.def("q8_block_sums(Tensor q, Tensor w, int ggml_type, str isa) -> Tensor");
   m.def("q8_matmul(Tensor x, Tensor w, int ggml_type, str isa) -> Tensor");
+  m.def("q8_dequantize_rows(Tensor w, Tensor ids, int ggml_type) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hybridkv, CPU, m) {
   m.impl("quantize_rows_q8", quantize_rows_q8);
   m.impl("q8_block_sums", q8_block_sums);
   m.impl("q8_matmul", q8_matmul);
+  m.impl("q8_dequantize_rows", q8_dequantize_rows);
   m.impl("q8_experts_matmul", q8_experts_matmul);
 }

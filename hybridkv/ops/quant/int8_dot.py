@@ -120,6 +120,12 @@ def native_q8_matmul(x: torch.Tensor, rows: torch.Tensor, ggml_id: int = Q8_0, i
     return _ops().q8_matmul(x, rows, ggml_id, isa)
 
 
+def native_q8_dequantize_rows(rows: torch.Tensor, ids: torch.Tensor, ggml_id: int) -> torch.Tensor:
+    """Rows `ids` of 32-weight-type rows [V, nb·block_bytes] as float32 [len(ids), nb·32] (an
+    embedding lookup on a file's blocks): bit-identical to `blocks.dequantize` of those rows."""
+    return _ops().q8_dequantize_rows(rows, ids, ggml_id)
+
+
 MatmulFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from hybridkv.ops import native
-from hybridkv.ops.quant.int8_dot import FEW_ROWS
-from hybridkv.ops.quant.k_dot import native_repack_q4_k
+from hybridkv.ops.quant.int8_dot import FEW_ROWS, native_q8_dequantize_rows
+from hybridkv.ops.quant.k_dot import K_DEQUANTIZE_ROWS, native_k_dequantize_rows, native_repack_q4_k
 from hybridkv.ops.quant.traits import BlockType, GGMLType, block_type, dequantize
 
 
@@ -56,6 +56,19 @@ class QuantizedWeight:
     def dequantize(self) -> torch.Tensor:
         """W as float32 [*shape], bit-identical to `gguf.quants.dequantize`."""
         return dequantize(self.blocks, self.btype.ggml_type)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of a 2-D W as float32 [len(ids), in] (an embedding lookup), the same numbers
+        as `dequantize()[ids]`: one C++ call for the types with a block kernel (the twin's dozen
+        PyTorch ops took 0.3–0.4 ms of a 0.8B decode step), else the looked-up rows dequantized."""
+        t, blocks = self.btype, self.blocks
+        if len(self.shape) == 2 and t.matmul is not None and blocks.is_contiguous() and native.enabled(ids):
+            if t.ggml_type in K_DEQUANTIZE_ROWS:
+                return native_k_dequantize_rows(blocks, ids, int(t.ggml_type))
+            if t.block_elems == 32:
+                return native_q8_dequantize_rows(blocks, ids, int(t.ggml_type))
+        picked = QuantizedWeight(blocks.index_select(0, ids), t, (ids.shape[0], *self.shape[1:]))
+        return picked.dequantize()
 
     def reference_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] @ W.T → [T, out] float32 on the dequantized weight: the readable twin."""
