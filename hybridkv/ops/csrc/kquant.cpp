@@ -318,17 +318,40 @@ inline __m256i dot4(__m256i acc, __m256i codes, const int8_t* a) {
 #endif
 }
 
-ALWAYS_INLINE void Q4KR::avx2(const uint8_t* w, const int8_t* a, const int16_t* xs, __m256i& s, __m256i& m) {
-  const __m256i sm = k4_scales_mins16(w);
-  const __m256i m4 = _mm256_set1_epi8(15);
-  __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
-  for (int c = 0; c < 4; ++c) {
-    const __m256i bits = load(w + 16 + 32 * c);
-    even = dot4(even, _mm256_and_si256(bits, m4), a + 64 * c);
-    odd = dot4(odd, _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4), a + 64 * c + 32);
+// A super-block's codes and scales decoded into registers, then met by one activation row (`dot`:
+// the type's S and M) or, where there are 32 vector registers, by a few (`rows_lanes`: per row only
+// the dot instructions and the float step). Q4KR's here; Q6K's with the several-row forms below.
+template <class KT>
+struct Decoded;
+
+template <>
+struct Decoded<Q4KR> {
+  static constexpr int64_t MAX_T = 15;  // rows `rows_lanes` takes: below the 16-weight-row form
+  __m256i lo[4], hi[4], sc_even, sc_odd, sm;
+  ALWAYS_INLINE explicit Decoded(const uint8_t* w) {
+    const __m256i m4 = _mm256_set1_epi8(15);
+    sm = k4_scales_mins16(w);
+    for (int c = 0; c < 4; ++c) {
+      const __m256i bits = load(w + 16 + 32 * c);
+      lo[c] = _mm256_and_si256(bits, m4);
+      hi[c] = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+    }
+    sc_even = lane_scales(sm, 0);
+    sc_odd = lane_scales(sm, 1);
   }
-  s = _mm256_add_epi32(_mm256_mullo_epi32(even, lane_scales(sm, 0)), _mm256_mullo_epi32(odd, lane_scales(sm, 1)));
-  m = _mm256_madd_epi16(sm, load(xs));
+  ALWAYS_INLINE void dot(const int8_t* a, const int16_t* xs, __m256i& s, __m256i& m) const {
+    __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      even = dot4(even, lo[c], a + 64 * c);
+      odd = dot4(odd, hi[c], a + 64 * c + 32);
+    }
+    s = _mm256_add_epi32(_mm256_mullo_epi32(even, sc_even), _mm256_mullo_epi32(odd, sc_odd));
+    m = _mm256_madd_epi16(sm, load(xs));
+  }
+};
+
+ALWAYS_INLINE void Q4KR::avx2(const uint8_t* w, const int8_t* a, const int16_t* xs, __m256i& s, __m256i& m) {
+  Decoded<Q4KR>(w).dot(a, xs, s, m);
 }
 
 ALWAYS_INLINE void Q5K::avx2(const uint8_t* w, const int8_t* a, const int16_t* xs, __m256i& s, __m256i& m) {
@@ -380,70 +403,6 @@ ALWAYS_INLINE void Q6K::avx2(const uint8_t* w, const int8_t* a, const int16_t* x
   }
   m = _mm256_slli_epi32(_mm256_madd_epi16(load(xs), _mm256_cvtepi8_epi16(sc)), 5);  // 32·Σ sc_j·bsum_j
 }
-
-#ifdef HYBRIDKV_ZMM
-// A super-block's codes and scales decoded into registers once for a few activation rows
-// (`rows_lanes`): per row, only the dot instructions and the float step of the type's `avx2`, the
-// same S and M. For the two types of a Q4_K_M file; held in 11 (Q4KR) or 17 (Q6K) vector registers,
-// so only where there are 32.
-template <class KT>
-struct Decoded;
-
-template <>
-struct Decoded<Q4KR> {
-  static constexpr int64_t MAX_T = 15;  // below the 16-weight-row form (all that reaches it)
-  __m256i lo[4], hi[4], sc_even, sc_odd, sm;
-  ALWAYS_INLINE explicit Decoded(const uint8_t* w) {
-    const __m256i m4 = _mm256_set1_epi8(15);
-    sm = k4_scales_mins16(w);
-    for (int c = 0; c < 4; ++c) {
-      const __m256i bits = load(w + 16 + 32 * c);
-      lo[c] = _mm256_and_si256(bits, m4);
-      hi[c] = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
-    }
-    sc_even = lane_scales(sm, 0);
-    sc_odd = lane_scales(sm, 1);
-  }
-  ALWAYS_INLINE void dot(const int8_t* a, const int16_t* xs, __m256i& s, __m256i& m) const {
-    __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
-    for (int c = 0; c < 4; ++c) {
-      even = dot4(even, lo[c], a + 64 * c);
-      odd = dot4(odd, hi[c], a + 64 * c + 32);
-    }
-    s = _mm256_add_epi32(_mm256_mullo_epi32(even, sc_even), _mm256_mullo_epi32(odd, sc_odd));
-    m = _mm256_madd_epi16(sm, load(xs));
-  }
-};
-
-template <>
-struct Decoded<Q6K> {
-  // Decoding a Q6_K block costs three times a Q4KR one: from 5 rows, two decodes (3 + 2 rows) ran
-  // 14% slower than `rows_dot_unpacked`'s one unpacking (Zen 4, 1 thread, 1024 x 4096 in L2).
-  static constexpr int64_t MAX_T = 4;
-  __m256i q[8], sc[8], sc16;
-  ALWAYS_INLINE explicit Decoded(const uint8_t* w) {
-    const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192));
-    for (int h = 0; h < 2; ++h) {
-      q6_codes(w, h, q + 4 * h);
-      for (int i = 0; i < 4; ++i) sc[4 * h + i] = pair_scale(s8, 8 * h + 2 * i);
-    }
-    sc16 = _mm256_cvtepi8_epi16(s8);
-  }
-  ALWAYS_INLINE void dot(const int8_t* a, const int16_t* xs, __m256i& s, __m256i& m) const {
-    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-    for (int k = 0; k < 8; k += 2) {  // k = 4h + i: codes 32i.. of half h
-      const int8_t* ak = a + 128 * (k / 4) + 32 * (k % 4);
-      s0 = hybridkv::dpwssd(s0, sc[k], _mm256_maddubs_epi16(q[k], load(ak)));
-      s1 = hybridkv::dpwssd(s1, sc[k + 1], _mm256_maddubs_epi16(q[k + 1], load(ak + 32)));
-    }
-    s = _mm256_add_epi32(s0, s1);
-    m = _mm256_slli_epi32(_mm256_madd_epi16(load(xs), sc16), 5);
-  }
-};
-
-template <class KT>
-constexpr bool kDecoded = std::is_same_v<KT, Q4KR> || std::is_same_v<KT, Q6K>;
-#endif
 
 // Several activation rows (T >= 2): each weight super-block is unpacked once into the same form
 // for every type, then each row costs 8 x (maddubs + madd): codes in activation order, the i16
@@ -570,11 +529,60 @@ ALWAYS_INLINE __m256i unpacked_dot(const Held& h, const int8_t* a) {
   return _mm256_add_epi32(s0, s1);
 }
 
+#ifdef HYBRIDKV_ZMM
+// Q6K's codes and per-16 scales built in registers (17 of them: only with 32), in `Held`'s form,
+// without `unpack`'s round trip through memory.
+template <>
+struct Decoded<Q6K> {
+  // Decoding a Q6_K block costs three times a Q4KR one: from 5 rows, two decodes (3 + 2 rows) ran
+  // 14% slower than `rows_dot_unpacked`'s one unpacking (Zen 4, 1 thread, 1024 x 4096 in L2).
+  static constexpr int64_t MAX_T = 4;
+  Held h;
+  __m256i sc16;
+  ALWAYS_INLINE explicit Decoded(const uint8_t* w) {
+    const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192));
+    for (int half = 0; half < 2; ++half) {
+      q6_codes(w, half, h.codes + 4 * half);
+      for (int i = 0; i < 4; ++i) h.scales[4 * half + i] = pair_scale(s8, 8 * half + 2 * i);
+    }
+    sc16 = _mm256_cvtepi8_epi16(s8);
+  }
+  ALWAYS_INLINE void dot(const int8_t* a, const int16_t* xs, __m256i& s, __m256i& m) const {
+    s = unpacked_dot(h, a);
+    m = _mm256_slli_epi32(_mm256_madd_epi16(load(xs), sc16), 5);
+  }
+};
+
+template <class KT>
+constexpr bool kDecoded = std::is_same_v<KT, Q4KR> || std::is_same_v<KT, Q6K>;
+#endif
+
 inline int32_t hsum_i32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
   return _mm_cvtsi128_si32(s);
+}
+
+// acc + (d_w·d_x)·S − (dmin_w·d_x)·M, or (d_w·d_x)·(S − M) for a type whose mins are in d (Q6_K):
+// one super-block pair's float step.
+template <class KT>
+ALWAYS_INLINE __m256 add_superblock(__m256 acc, __m256i s, __m256i m, float dw, float dminw, float dx) {
+  const float d = dw * dx;
+  if constexpr (KT::mins_in_d) return _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_sub_epi32(s, m)), acc);
+  acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(s), acc);
+  return _mm256_fmadd_ps(_mm256_set1_ps(-(dminw * dx)), _mm256_cvtepi32_ps(m), acc);
+}
+
+// A super-block's d_w and dmin_w (0 for a type whose mins are in d).
+template <class KT>
+ALWAYS_INLINE float weight_d(const uint8_t* wb) {
+  return fp16(wb + KT::d_at);
+}
+template <class KT>
+ALWAYS_INLINE float weight_dmin(const uint8_t* wb) {
+  if constexpr (KT::mins_in_d) return 0.f;
+  return fp16(wb + KT::dmin_at);
 }
 
 inline float hsum_f32(__m256 v) {
@@ -631,14 +639,7 @@ ALWAYS_INLINE __m256 row_lanes(const uint8_t* w, const int8_t* a, const float* d
       _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetch + line), _MM_HINT_T0);
     __m256i s, m;
     KT::avx2(wb, a + b * QK_K, xs + b * 16, s, m);
-    const float d = fp16(wb + KT::d_at) * dx[b];
-    if constexpr (KT::mins_in_d) {
-      acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_sub_epi32(s, m)), acc);
-    } else {
-      const float dmin = -(fp16(wb + KT::dmin_at) * dx[b]);
-      acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(s), acc);
-      acc = _mm256_fmadd_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(m), acc);
-    }
+    acc = add_superblock<KT>(acc, s, m, weight_d<KT>(wb), weight_dmin<KT>(wb), dx[b]);
   }
   return acc;
 }
@@ -676,17 +677,11 @@ ALWAYS_INLINE void rows_lanes(const uint8_t* w, const int8_t* a, int64_t K, cons
     for (int line = 0; line < KT::bytes; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetch + line), _MM_HINT_T0);
     const Decoded<KT> dec(wb);
-    const float dw = fp16(wb + KT::d_at), dminw = KT::mins_in_d ? 0.f : fp16(wb + KT::dmin_at);
+    const float dw = weight_d<KT>(wb), dminw = weight_dmin<KT>(wb);
     for (int r = 0; r < R; ++r) {
       __m256i s, m;
       dec.dot(a + r * K + b * QK_K, xs + (r * nb + b) * 16, s, m);
-      const float d = dw * dx[r * nb + b];
-      if constexpr (KT::mins_in_d) {
-        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_sub_epi32(s, m)), acc[r]);
-      } else {
-        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(s), acc[r]);
-        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(-(dminw * dx[r * nb + b])), _mm256_cvtepi32_ps(m), acc[r]);
-      }
+      acc[r] = add_superblock<KT>(acc[r], s, m, dw, dminw, dx[r * nb + b]);
     }
   }
 }
@@ -821,19 +816,12 @@ void rows_dot_unpacked(const uint8_t* w, int64_t nb, int64_t K, const int8_t* a,
     unpack_lanes<KT>(wb, u);
     const Held h = hold(u);
     const __m256i mins = load(u.mins);
-    const float dw = fp16(wb + KT::d_at), dminw = KT::mins_in_d ? 0.f : fp16(wb + KT::dmin_at);
+    const float dw = weight_d<KT>(wb), dminw = weight_dmin<KT>(wb);
     for (int64_t r = 0; r < n; ++r) {
       const int64_t t = rows[r];
       const __m256i s = unpacked_dot(h, a + t * K + b * QK_K);
       const __m256i m = _mm256_madd_epi16(mins, load(&xs[(t * nb + b) * 16]));
-      const float d = dw * dx[t * nb + b];
-      if constexpr (KT::mins_in_d) {
-        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_sub_epi32(s, m)), acc[r]);
-      } else {
-        const float dmin = -(dminw * dx[t * nb + b]);
-        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(s), acc[r]);
-        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(m), acc[r]);
-      }
+      acc[r] = add_superblock<KT>(acc[r], s, m, dw, dminw, dx[t * nb + b]);
     }
   }
   for (int64_t r = 0; r < n; ++r) y[rows[r] * N] = hsum_f32(acc[r]);
@@ -865,8 +853,8 @@ void rows8_kdot(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t K, cons
       const uint8_t* wb = w + i * row_bytes + b * KT::bytes;
       unpack(KT{}, wb, u[i]);
       for (int h = 0; h < 16; ++h) scales[h][i] = u[i].scales[h / 2][(h % 2) * 8];
-      dws[i] = fp16(wb + KT::d_at);
-      dmins[i] = KT::mins_in_d ? 0.f : fp16(wb + KT::dmin_at);
+      dws[i] = weight_d<KT>(wb);
+      dmins[i] = weight_dmin<KT>(wb);
     }
     for (int c = 0; c < 8; ++c) {  // codes 32c..32c+31 of each row: groups 8c..8c+7
       for (int i = 0; i < 8; ++i) ct[8 * c + i] = load(u[i].codes + 32 * c);
@@ -923,8 +911,8 @@ void rows16_kdot(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t K, con
       const uint8_t* wb = w + i * row_bytes + b * KT::bytes;
       unpack(KT{}, wb, u[i]);
       for (int h = 0; h < 16; ++h) scales[h][i] = u[i].scales[h / 2][(h % 2) * 8];
-      dws[i] = fp16(wb + KT::d_at);
-      dmins[i] = KT::mins_in_d ? 0.f : fp16(wb + KT::dmin_at);
+      dws[i] = weight_d<KT>(wb);
+      dmins[i] = weight_dmin<KT>(wb);
     }
     __m256i lo[8], hi[8];
     for (int c = 0; c < 8; ++c) {  // codes 32c..32c+31 of each row: groups 8c..8c+7

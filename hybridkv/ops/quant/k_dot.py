@@ -179,10 +179,6 @@ def native_k_matmul_parts(
     return _ops().kq_matmul_parts(x, list(parts), list(ggml_ids), isa)
 
 
-# The types `native_k_dequantize_rows` reads: Q4_K, Q5_K, Q6_K and Q4_K as repacked at load.
-K_DEQUANTIZE_ROWS = frozenset({12, 13, 14, Q4_K_R})
-
-
 def native_k_dequantize_rows(rows: torch.Tensor, ids: torch.Tensor, ggml_id: int) -> torch.Tensor:
     """Rows `ids` of K-quant rows [V, nb·block_bytes] as float32 [len(ids), nb·256] (an embedding
     lookup on a file's blocks): bit-identical to `blocks.dequantize` of those rows, in one call."""

@@ -111,7 +111,7 @@ class QuantLinear:
             blocks = tuple(p.blocks for p in self.parts if isinstance(p, QuantizedWeight))
             types = tuple(int(p.btype.ggml_type) for p in self.parts if isinstance(p, QuantizedWeight))
             object.__setattr__(self, "k_parts", (blocks, types))
-        (part,) = self.parts if len(self.parts) == 1 else (None,)
+        part = self.parts[0] if len(self.parts) == 1 else None
         if (
             isinstance(part, QuantizedWeight)
             and part.btype.vec_dot_type in (GGMLType.Q8_0, GGMLType.Q8_1)

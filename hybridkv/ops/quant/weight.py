@@ -8,7 +8,7 @@ import torch
 
 from hybridkv.ops import native
 from hybridkv.ops.quant.int8_dot import FEW_ROWS, native_q8_dequantize_rows
-from hybridkv.ops.quant.k_dot import K_DEQUANTIZE_ROWS, native_k_dequantize_rows, native_repack_q4_k
+from hybridkv.ops.quant.k_dot import native_k_dequantize_rows, native_repack_q4_k
 from hybridkv.ops.quant.traits import BlockType, GGMLType, block_type, dequantize
 
 
@@ -63,10 +63,9 @@ class QuantizedWeight:
         PyTorch ops took 0.3–0.4 ms of a 0.8B decode step), else the looked-up rows dequantized."""
         t, blocks = self.btype, self.blocks
         if len(self.shape) == 2 and t.matmul is not None and blocks.is_contiguous() and native.enabled(ids):
-            if t.ggml_type in K_DEQUANTIZE_ROWS:
+            if t.vec_dot_type == GGMLType.Q8_K:  # the K-quants
                 return native_k_dequantize_rows(blocks, ids, int(t.ggml_type))
-            if t.block_elems == 32:
-                return native_q8_dequantize_rows(blocks, ids, int(t.ggml_type))
+            return native_q8_dequantize_rows(blocks, ids, int(t.ggml_type))  # the 32-weight types
         picked = QuantizedWeight(blocks.index_select(0, ids), t, (ids.shape[0], *self.shape[1:]))
         return picked.dequantize()
 
