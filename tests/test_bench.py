@@ -14,7 +14,7 @@ import torch
 from rich.console import Console
 
 from hybridkv import CachedModel, bench, cli
-from hybridkv.bench.machine import Limits
+from hybridkv.bench.machine import Limits, WeightCounts
 from hybridkv.bench.profile import op_families, part_times
 from hybridkv.bench.report import print_table, write_json
 from hybridkv.bench.workload import (
@@ -393,11 +393,39 @@ def test_against_llama_cpp_on_the_same_file():
     assert all(v["hybridkv"] > 0 and v["llama.cpp"] > 0 for v in s.values())
     regen = s["regenerate_ttft"]  # the answer dropped: hybridkv from its snapshot, llama.cpp from scratch
     assert regen["hybridkv_tokens_computed"] == 3 and regen["llama_cpp_tokens_computed"] == regen["prompt_tokens"]
+    d = s["decode_b1"]  # against the bandwidth roofline: the step's bytes over the faster probe
+    assert len(d["read_gb_s_probes"]) == 2 and d["roofline_target"] == 1.3
+    floor_ms = 1e3 * d["read_bytes_per_token"] / (1e9 * max(d["read_gb_s_probes"]))
+    assert d["roofline_ms"] == pytest.approx(floor_ms)
+    assert d["hybridkv_of_roofline"] == pytest.approx(d["hybridkv"] / floor_ms)
+    assert d["llama_cpp_of_roofline"] == pytest.approx(d["llama.cpp"] / floor_ms)
     out = io.StringIO()
     from hybridkv.bench.llama_cpp import print_llama_cpp
 
     print_llama_cpp(doc, Console(file=out, width=160))
-    assert "hybridkv vs llama.cpp" in out.getvalue() and "regenerate_ttft" in out.getvalue()
+    text = out.getvalue()
+    assert "hybridkv vs llama.cpp" in text and "regenerate_ttft" in text and "bandwidth roofline" in text
+
+
+def test_a_gguf_models_decode_reads_the_files_bytes_by_role():
+    """The roofline's bytes a step: every tensor of the file as its type weighs it (gguf-py's
+    sizes), less the embedding (untied: a step reads only its rows) and the routed experts a
+    token did not choose (top-k of E)."""
+    import gguf
+
+    sizes = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(GGUF_K).tensors}
+    model = CachedModel.load(GGUF_K).model
+    counts = WeightCounts.of(model)
+    experts = sum(n for name, n in sizes.items() if "_exps." in name)
+    assert "output.weight" in sizes and not counts.tied and experts > 0
+    assert (counts.total_bytes, counts.embed_bytes, counts.experts_bytes) == (
+        sum(sizes.values()),
+        sizes["token_embd.weight"],
+        experts,
+    )
+    active = model.config.num_experts_per_tok / model.config.num_experts
+    expected = sum(sizes.values()) - sizes["token_embd.weight"] - experts * (1 - active)
+    assert counts.decode_bytes(1) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize("file_type", ["q8_0", "q4_k_m"])

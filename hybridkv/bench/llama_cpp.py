@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hybridkv.bench.machine import WeightCounts, read_bytes_per_second
 from hybridkv.bench.report import _num
 from hybridkv.bench.scenarios import Result, _median, _timed
 from hybridkv.bench.workload import Chat, Plan, random_ids
@@ -30,6 +31,7 @@ from hybridkv.cached_model import CachedModel
 from hybridkv.errors import NotSupported
 
 SEQUENCES = 8
+ROOFLINE_TARGET = 1.3  # decode_b1 within this multiple of the bandwidth floor
 TARGETS = {"prefill_512": 1.0, "decode_b1": 1.0, "decode_b8": 1.5, "chat_turn8_ttft": 3.0, "regenerate_ttft": 3.0}
 
 
@@ -203,6 +205,21 @@ def chat(cm: CachedModel, peer: LlamaCpp, plan: Plan) -> list[Result]:
     ]
 
 
+def roofline(result: Result, read_bytes: float, probes: list[float]) -> dict[str, Any]:
+    """decode_b1 against the bandwidth roofline: the bytes a step reads over the faster of the two
+    read probes around the scenario (the machine's limit; the slower one measures a neighbour),
+    and each engine's ms/token as a multiple of that floor (the issue's target: within 1.3×)."""
+    floor_ms = 1e3 * read_bytes / max(probes)
+    return {
+        "read_bytes_per_token": read_bytes,
+        "read_gb_s_probes": [p / 1e9 for p in probes],
+        "roofline_ms": floor_ms,
+        "hybridkv_of_roofline": result.hybridkv / floor_ms,
+        "llama_cpp_of_roofline": result.transformers / floor_ms,
+        "roofline_target": ROOFLINE_TARGET,
+    }
+
+
 def run(path: Path, threads: int, plan: Plan, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Every scenario on the GGUF file at `path`; the JSON document (`print_llama_cpp` prints it)."""
     import torch
@@ -220,7 +237,13 @@ def run(path: Path, threads: int, plan: Plan, log: Callable[[str], None] = print
     results.append(prefill(cm, peer, plan, plan.prefill_lens[0]))
     for batch in (1, SEQUENCES):
         log(f"decode_b{batch}")
-        results.append(decode(cm, peer, plan, batch))
+        if batch == 1:  # the machine's read bandwidth on either side of the scenario it bounds
+            probes = [read_bytes_per_second(3)]
+            results.append(decode(cm, peer, plan, batch))
+            probes.append(read_bytes_per_second(3))
+            results[-1].notes.update(roofline(results[-1], WeightCounts.of(cm.model).decode_bytes(1), probes))
+        else:
+            results.append(decode(cm, peer, plan, batch))
     log("chat_turn8_ttft, regenerate_ttft")
     results.extend(chat(cm, peer, plan))
     scenarios = {
@@ -261,6 +284,17 @@ def print_llama_cpp(document: dict[str, Any], console: Any) -> None:
         f"{document['scenarios']['regenerate_ttft']['hybridkv_tokens_computed']}",
         highlight=False,
     )
+    d = document["scenarios"]["decode_b1"]
+    if "roofline_ms" in d:
+        met = d["hybridkv_of_roofline"] <= d["roofline_target"]
+        probes = " and ".join(f"{p:.1f}" for p in d["read_gb_s_probes"])
+        console.print(
+            f"decode_b1 against the bandwidth roofline: {d['read_bytes_per_token'] / 2**20:.0f} MiB a step, read at "
+            f"{probes} GB/s before and after (the faster counts) = {d['roofline_ms']:.1f} ms at best; hybridkv "
+            f"{'[green]' if met else '[red]'}{d['hybridkv_of_roofline']:.2f}×[/] of it (target ≤ "
+            f"{d['roofline_target']:.1f}×), llama.cpp {d['llama_cpp_of_roofline']:.2f}×",
+            highlight=False,
+        )
 
 
 GGUF_TYPES = {"q8_0": None, "q4_k_m": 15}  # file type → llama_ftype of llama.cpp's quantizer (None: ours)

@@ -38,6 +38,13 @@ def best_time(fn: Callable[[], object], reps: int) -> float:
     return min(times)
 
 
+def read_bytes_per_second(reps: int) -> float:
+    """The machine's memory read bandwidth now: the best of `reps` sums over 256 MiB (8x the L3
+    of these machines)."""
+    big = torch.ones(64 * 2**20)
+    return big.numel() * big.element_size() / best_time(big.sum, reps)
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
     threads: int
@@ -48,9 +55,7 @@ class Limits:
     @staticmethod
     def measure(quick: bool = False, dtype: torch.dtype = torch.float32) -> Limits:
         reps = 3 if quick else 7
-        big = torch.ones(64 * 2**20)  # 256 MiB, 8x the L3 of these machines
-        read = big.numel() * big.element_size() / best_time(big.sum, reps)
-        del big
+        read = read_bytes_per_second(reps)
         if dtype == torch.bfloat16 and not BF16_GEMM:
             dtype = torch.float32
         best = 0.0
@@ -65,7 +70,8 @@ class Limits:
 
 @dataclass(frozen=True, slots=True)
 class WeightCounts:
-    """Weights of a hybridkv model by role, in elements.
+    """Weights of a hybridkv model by role, in elements and in bytes as held (a file's blocks count
+    their bytes, so the roles of a K-quant file weigh what their types weigh).
 
     total: all parameters; embed: the embedding (a step reads only its rows); lm_head: the output
     layer (the embedding when tied); experts: routed expert weights; active_experts_fraction: top_k / E.
@@ -76,8 +82,11 @@ class WeightCounts:
     lm_head: int
     experts: int
     active_experts_fraction: float
-    element_size: float  # bytes per weight, on average (GGUF blocks: e.g. 34/32 for Q8_0)
     tied: bool
+    total_bytes: int
+    embed_bytes: int
+    lm_head_bytes: int
+    experts_bytes: int
 
     @staticmethod
     def of(model: Qwen3NextModel) -> WeightCounts:
@@ -88,19 +97,28 @@ class WeightCounts:
             for attr, value in vars(module).items():
                 if isinstance(value, (QuantizedWeight, QuantLinear, QuantExperts)):
                     held[f"{prefix}.{attr}" if prefix else attr] = value
-        total = sum(w.numel() for w in held.values())
-        embed = held["embed"].numel()
-        lm_head = held["lm_head"].numel() if "lm_head" in held else embed  # tied: embed is the output layer
         # Routed experts are the [E, ...] feed-forward weights, whatever the family.
-        experts = sum(
-            w.numel()
+        experts = [
+            w
             for n, w in held.items()
-            if n.endswith(("ffn.gate_up", "ffn.down")) and (isinstance(w, QuantExperts) or w.dim() == 3)
-        )
+            if n.endswith(("ffn.gate_up", "ffn.down"))
+            and (isinstance(w, QuantExperts) or (isinstance(w, torch.Tensor) and w.dim() == 3))
+        ]
+        tied = "lm_head" not in held
+        head = held["embed"] if tied else held["lm_head"]  # tied: embed is the output layer
         config = model.config
-        fraction = config.num_experts_per_tok / config.num_experts if experts else 1.0
-        size = model.weight_sizes()[1] / total
-        return WeightCounts(total, embed, lm_head, experts, fraction, size, tied="lm_head" not in held)
+        return WeightCounts(
+            total=sum(w.numel() for w in held.values()),
+            embed=held["embed"].numel(),
+            lm_head=head.numel(),
+            experts=sum(w.numel() for w in experts),
+            active_experts_fraction=config.num_experts_per_tok / config.num_experts if experts else 1.0,
+            tied=tied,
+            total_bytes=sum(_nbytes(w) for w in held.values()),
+            embed_bytes=_nbytes(held["embed"]),
+            lm_head_bytes=_nbytes(head),
+            experts_bytes=sum(_nbytes(w) for w in experts),
+        )
 
     @property
     def active_per_token(self) -> int:
@@ -113,11 +131,17 @@ class WeightCounts:
         return 2.0 * (tokens * (self.active_per_token - self.lm_head) + self.lm_head)
 
     def decode_bytes(self, batch: int) -> float:
-        """Weights one decode step reads: the active ones at batch 1, and at larger batches the
-        experts any of the batch's tokens chose (expected, for uniform top-k routing)."""
+        """Weights one decode step reads: all but the embedding and the routed experts, and of the
+        experts those any of the batch's tokens chose (expected, for uniform top-k routing)."""
         p_unused = (1 - self.active_experts_fraction) ** batch
-        body = self.active_per_token - self.experts * self.active_experts_fraction
-        return (body + self.experts * (1 - p_unused)) * self.element_size
+        body = self.total_bytes - self.embed_bytes + (self.lm_head_bytes if self.tied else 0) - self.experts_bytes
+        return body + self.experts_bytes * (1 - p_unused)
 
     def decode_flops(self, batch: int) -> float:
         return 2.0 * batch * self.active_per_token
+
+
+def _nbytes(w: torch.Tensor | QuantizedWeight | QuantLinear | QuantExperts) -> int:
+    if isinstance(w, QuantizedWeight):
+        return int(w.blocks.nbytes)
+    return int(w.nbytes)

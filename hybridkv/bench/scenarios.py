@@ -121,7 +121,7 @@ def prefill(b: Bench, name: str, n: int, target: float | None) -> Result:
             b.cm.release(seq)
 
     t_ours, t_theirs = b.alternate(ours, lambda: _timed(lambda: b.peer_forward([ids])))
-    floor = b.limits.floor_seconds(b.weights.total * b.weights.element_size, b.weights.prefill_flops(n))
+    floor = b.limits.floor_seconds(b.weights.total_bytes, b.weights.prefill_flops(n))
     notes: dict[str, Any] = {"prompt_tokens": n}
     if n == b.plan.prefill_lens[0]:
         notes["max_rel_err"] = _parity(b, ids)

@@ -167,11 +167,21 @@ def _gdn_pytorch(mixed, conv_w, A_log, dt_bias, norm_w, eps, Hk, dk, conv, delta
         ([70], [1, 2, 69]),  # before the conv window is full
     ],
 )
-@pytest.mark.parametrize(("Hk", "Hv", "dk", "dv"), [(2, 4, 16, 8), (1, 1, 8, 8), (4, 8, 64, 64)])
+@pytest.mark.parametrize(
+    ("Hk", "Hv", "dk", "dv", "K"),
+    [
+        (2, 4, 16, 8, 4),
+        (1, 1, 8, 8, 4),  # C = 24: a whole block of 16 channels and a partial one
+        (4, 8, 64, 64, 4),
+        (1, 2, 16, 144, 3),  # whole 128-wide rows of the state and a 16-wide rest; conv kernel 3
+        (2, 2, 16, 128, 2),  # conv kernel 2: a window of one
+        (1, 1, 16, 16, 5),  # conv kernel 5: the window's length at run time
+    ],
+)
 def test_gdn_forward_equals_pytorch_path_and_updates_slots_and_snapshots(
-    lens: list[int], at: list[int], Hk: int, Hv: int, dk: int, dv: int
+    lens: list[int], at: list[int], Hk: int, Hv: int, dk: int, dv: int, K: int
 ) -> None:
-    T, N, C, K, slots_total, snaps_total = sum(lens), len(lens), 2 * Hk * dk + Hv * dv, 4, 7, 9
+    T, N, C, slots_total, snaps_total = sum(lens), len(lens), 2 * Hk * dk + Hv * dv, 7, 9
     gen = torch.Generator().manual_seed(Hv * 10 + T)
     mixed = torch.randn(T, C + Hv * dv + 2 * Hv, generator=gen)
     conv_w, A_log, dt_bias = torch.randn(C, K, generator=gen), torch.randn(Hv, generator=gen), torch.randn(Hv)
