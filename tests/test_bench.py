@@ -407,24 +407,34 @@ def test_against_llama_cpp_on_the_same_file():
     assert "hybridkv vs llama.cpp" in text and "regenerate_ttft" in text and "bandwidth roofline" in text
 
 
-def test_a_gguf_models_decode_reads_the_files_bytes_by_role():
+@pytest.mark.parametrize("name", ["qwen35moe-k-q4_k_m.gguf", "qwen35-tiny-q8_0.gguf"])
+def test_a_gguf_models_decode_reads_the_files_bytes_by_role(name):
     """The roofline's bytes a step: every tensor of the file as its type weighs it (gguf-py's
-    sizes), less the embedding (untied: a step reads only its rows) and the routed experts a
-    token did not choose (top-k of E)."""
+    sizes), less the embedding when the head is untied (a step reads only its rows; tied, it is
+    the head and read whole) and the routed experts a token did not choose (top-k of E). A MoE
+    file with K-quant experts and an untied head; a dense one with a tied head and an MTP layer
+    appended (`blk.N` past the decoder: not loaded, not counted)."""
     import gguf
 
-    sizes = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(GGUF_K).tensors}
-    model = CachedModel.load(GGUF_K).model
+    path = GGUF_K.parent / name
+    model = CachedModel.load(path).model
+    layers = model.config.num_hidden_layers
+    sizes = {
+        t.name: int(t.n_bytes)
+        for t in gguf.GGUFReader(path).tensors
+        if not (t.name.startswith("blk.") and int(t.name.split(".")[1]) >= layers)
+    }
     counts = WeightCounts.of(model)
-    experts = sum(n for name, n in sizes.items() if "_exps." in name)
-    assert "output.weight" in sizes and not counts.tied and experts > 0
+    tied = "output.weight" not in sizes
+    experts = sum(n for tensor, n in sizes.items() if "_exps." in tensor)
+    assert counts.tied == tied and (experts > 0) == ("moe" in name)
     assert (counts.total_bytes, counts.embed_bytes, counts.experts_bytes) == (
         sum(sizes.values()),
         sizes["token_embd.weight"],
         experts,
     )
-    active = model.config.num_experts_per_tok / model.config.num_experts
-    expected = sum(sizes.values()) - sizes["token_embd.weight"] - experts * (1 - active)
+    active = model.config.num_experts_per_tok / model.config.num_experts if experts else 1.0
+    expected = sum(sizes.values()) - (0 if tied else sizes["token_embd.weight"]) - experts * (1 - active)
     assert counts.decode_bytes(1) == pytest.approx(expected)
 
 
