@@ -859,10 +859,8 @@ struct Interleaved {
   }
 
   void place(int32_t (*steps)[LANES], int l, int src, int lane) const {
-    if (n == 1) {
-      steps[0][l] = lane;
-      return;
-    }
+    steps[0][l] = lane;  // the only step when n = 1 (set always, so every table loaded is defined)
+    if (n == 1) return;
     steps[1][l] = src == 0 ? lane : src == 1 ? LANES + lane : l;
     for (int s = 2; s < n; ++s) steps[s][l] = src == s ? LANES + lane : l;
   }
