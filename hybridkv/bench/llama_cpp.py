@@ -237,13 +237,12 @@ def run(path: Path, threads: int, plan: Plan, log: Callable[[str], None] = print
     results.append(prefill(cm, peer, plan, plan.prefill_lens[0]))
     for batch in (1, SEQUENCES):
         log(f"decode_b{batch}")
-        if batch == 1:  # the machine's read bandwidth on either side of the scenario it bounds
-            probes = [read_bytes_per_second(3)]
-            results.append(decode(cm, peer, plan, batch))
-            probes.append(read_bytes_per_second(3))
+        # decode_b1 is bound by the read bandwidth: a probe on either side of it
+        before = read_bytes_per_second(3) if batch == 1 else None
+        results.append(decode(cm, peer, plan, batch))
+        if before is not None:
+            probes = [before, read_bytes_per_second(3)]
             results[-1].notes.update(roofline(results[-1], WeightCounts.of(cm.model).decode_bytes(1), probes))
-        else:
-            results.append(decode(cm, peer, plan, batch))
     log("chat_turn8_ttft, regenerate_ttft")
     results.extend(chat(cm, peer, plan))
     scenarios = {

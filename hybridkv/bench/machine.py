@@ -114,10 +114,10 @@ class WeightCounts:
             experts=sum(w.numel() for w in experts),
             active_experts_fraction=config.num_experts_per_tok / config.num_experts if experts else 1.0,
             tied=tied,
-            total_bytes=sum(_nbytes(w) for w in held.values()),
-            embed_bytes=_nbytes(held["embed"]),
-            lm_head_bytes=_nbytes(head),
-            experts_bytes=sum(_nbytes(w) for w in experts),
+            total_bytes=sum(w.nbytes for w in held.values()),
+            embed_bytes=held["embed"].nbytes,
+            lm_head_bytes=head.nbytes,
+            experts_bytes=sum(w.nbytes for w in experts),
         )
 
     @property
@@ -139,9 +139,3 @@ class WeightCounts:
 
     def decode_flops(self, batch: int) -> float:
         return 2.0 * batch * self.active_per_token
-
-
-def _nbytes(w: torch.Tensor | QuantizedWeight | QuantLinear | QuantExperts) -> int:
-    if isinstance(w, QuantizedWeight):
-        return int(w.blocks.nbytes)
-    return int(w.nbytes)

@@ -382,7 +382,7 @@ class Qwen3NextModel(nn.Module):
         """(parameters, bytes) of the weights as held: a file's blocks count their bytes."""
         held = self._held()
         numel = sum(w.numel() for w in held)
-        nbytes = sum(w.blocks.nbytes if isinstance(w, QuantizedWeight) else w.nbytes for w in held)
+        nbytes = sum(w.nbytes for w in held)
         return numel, nbytes
 
 

@@ -888,6 +888,17 @@ struct Interleaved {
   void split(const float*, vf*) const {}
   void join(const vf*, float*) const {}
 #endif
+
+  // The tables for `count` vectors, built once per process (not at every decode call); a count
+  // outside 1..MAX gets one whose `ok` is false.
+  static const Interleaved& of(int64_t count) {
+    static const std::vector<Interleaved> all = [] {
+      std::vector<Interleaved> tables;
+      for (int i = 0; i <= MAX + 1; ++i) tables.emplace_back(i);
+      return tables;
+    }();
+    return all[std::clamp<int64_t>(count, 0, MAX + 1)];
+  }
 };
 
 // A Gated DeltaNet mixer after in_proj, over a packed batch of sequences (decode is every length
@@ -953,7 +964,7 @@ at::Tensor gdn_forward(const at::Tensor& mixed_in, const at::Tensor& conv_weight
   // the last, partial block lane by lane.
   at::Tensor y = at::empty({T, C}, mixed.options());
   float* yp = y.data_ptr<float>();
-  const Interleaved taps(K), window(Km1);
+  const Interleaved &taps = Interleaved::of(K), &window = Interleaved::of(Km1);
   // One sequence's tokens through a block: `win` (oldest first) is this block's window. M > 0 is
   // K-1 known at compile time, so the window lives in registers and shifts by renaming (a run-time
   // shift loop compiles to a memmove call a token); M = 0 takes Km1 at run time.

@@ -71,10 +71,6 @@ def _part_out(part: Part) -> int:
     return part.shape[-2] if isinstance(part, QuantizedWeight) else part.shape[-1]
 
 
-def _part_nbytes(part: Part) -> int:
-    return part.blocks.nbytes if isinstance(part, QuantizedWeight) else part.nbytes
-
-
 def _part_numel(part: Part) -> int:
     n = 1
     for size in part.shape:
@@ -101,24 +97,12 @@ class QuantLinear:
         ins = {p.shape[-1] if isinstance(p, QuantizedWeight) else p.shape[0] for p in self.parts}
         if not self.parts or len(ins) != 1 or any(p.dim() != 2 for p in self.parts if isinstance(p, torch.Tensor)):
             raise ValueError(f"a projection's parts must share their input features, got {self.shapes}")
-        if all(
-            isinstance(p, QuantizedWeight)
-            and p.btype.vec_dot_type == GGMLType.Q8_K
-            and p.btype.matmul is not None
-            and p.blocks.is_contiguous()
-            for p in self.parts
-        ):
-            blocks = tuple(p.blocks for p in self.parts if isinstance(p, QuantizedWeight))
-            types = tuple(int(p.btype.ggml_type) for p in self.parts if isinstance(p, QuantizedWeight))
-            object.__setattr__(self, "k_parts", (blocks, types))
-        part = self.parts[0] if len(self.parts) == 1 else None
-        if (
-            isinstance(part, QuantizedWeight)
-            and part.btype.vec_dot_type in (GGMLType.Q8_0, GGMLType.Q8_1)
-            and part.btype.matmul is not None
-            and part.blocks.is_contiguous()
-        ):
-            object.__setattr__(self, "q8_part", (part.blocks, int(part.btype.ggml_type)))
+        blocks = [p for p in self.parts if isinstance(p, QuantizedWeight) and p.has_kernel]
+        if len(blocks) == len(self.parts) and all(p.btype.vec_dot_type == GGMLType.Q8_K for p in blocks):
+            types = tuple(int(p.btype.ggml_type) for p in blocks)
+            object.__setattr__(self, "k_parts", (tuple(p.blocks for p in blocks), types))
+        if len(blocks) == len(self.parts) == 1 and blocks[0].btype.vec_dot_type in (GGMLType.Q8_0, GGMLType.Q8_1):
+            object.__setattr__(self, "q8_part", (blocks[0].blocks, int(blocks[0].btype.ggml_type)))
 
     @property
     def shapes(self) -> list[tuple[int, ...]]:
@@ -135,7 +119,7 @@ class QuantLinear:
 
     @property
     def nbytes(self) -> int:
-        return sum(_part_nbytes(p) for p in self.parts)
+        return sum(p.nbytes for p in self.parts)
 
     def numel(self) -> int:
         return sum(_part_numel(p) for p in self.parts)
@@ -170,7 +154,7 @@ class QuantExperts:
 
     @property
     def nbytes(self) -> int:
-        return sum(_part_nbytes(p) for p in self.parts)
+        return sum(p.nbytes for p in self.parts)
 
     def numel(self) -> int:
         return sum(_part_numel(p) for p in self.parts)

@@ -50,6 +50,17 @@ class QuantizedWeight:
         return n
 
     @property
+    def nbytes(self) -> int:
+        """The bytes of its blocks (as a tensor's `nbytes`)."""
+        return int(self.blocks.nbytes)
+
+    @property
+    def has_kernel(self) -> bool:
+        """A C++ block kernel computes on these blocks in place: the type has one (`btype.matmul`)
+        and the blocks are contiguous."""
+        return self.btype.matmul is not None and self.blocks.is_contiguous()
+
+    @property
     def bits_per_weight(self) -> float:
         return 8 * self.btype.block_bytes / self.btype.block_elems
 
@@ -62,7 +73,7 @@ class QuantizedWeight:
         as `dequantize()[ids]`: one C++ call for the types with a block kernel (the twin's dozen
         PyTorch ops took 0.3–0.4 ms of a 0.8B decode step), else the looked-up rows dequantized."""
         t, blocks = self.btype, self.blocks
-        if len(self.shape) == 2 and t.matmul is not None and blocks.is_contiguous() and native.enabled(ids):
+        if len(self.shape) == 2 and self.has_kernel and native.enabled(ids):
             if t.vec_dot_type == GGMLType.Q8_K:  # the K-quants
                 return native_k_dequantize_rows(blocks, ids, int(t.ggml_type))
             return native_q8_dequantize_rows(blocks, ids, int(t.ggml_type))  # the 32-weight types
