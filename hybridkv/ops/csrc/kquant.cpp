@@ -267,6 +267,27 @@ inline __m256i times_scale(__m256i codes, const int8_t* a, __m256i scale16) {
   return _mm256_madd_epi16(scale16, _mm256_maddubs_epi16(codes, load(a)));
 }
 
+// Q6_K's 16 scales as i16 (sc16: sc_0..7 | sc_8..15), half h's 8 in both 128-bit lanes.
+inline __m256i half_scales(__m256i sc16, int h) { return _mm256_permute4x64_epi64(sc16, h ? 0xEE : 0x44); }
+
+// Scales 8h + 2i (i16 lanes 0–7) and 8h + 2i + 1 (lanes 8–15), the i16 factors of `q6_codes`'s
+// q[i] in half h, from half_scales(.., h): one byte shuffle.
+inline __m256i pair_of_half(__m256i half, int i) {
+  const int lo = 4 * i, hi = 4 * i + 2;
+  return _mm256_shuffle_epi8(half, _mm256_setr_epi8(lo, lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1, lo,
+                                                    lo + 1, lo, lo + 1, hi, hi + 1, hi, hi + 1, hi, hi + 1, hi, hi + 1, hi,
+                                                    hi + 1, hi, hi + 1, hi, hi + 1, hi, hi + 1));
+}
+
+// acc + the i32 sums of codes (u8, below 64) × activations (s8) in i16 pairs, times scale16.
+inline __m256i add_scaled(__m256i acc, __m256i codes, const int8_t* a, __m256i scale16) {
+#ifdef HYBRIDKV_VNNI
+  return hybridkv::dpwssd(acc, _mm256_maddubs_epi16(codes, load(a)), scale16);
+#else
+  return _mm256_add_epi32(acc, times_scale(codes, a, scale16));
+#endif
+}
+
 // Q4_K/Q5_K's scales and mins as i16 [sc_0..7 | m_0..7]; their products with the mins' activation
 // sums [0 x 8 | sums] give M in lanes 4–7. `k4_scales_mins` in byte shuffles: the low bits of
 // sc_0..3 | sc_4..7 | m_0..3 | m_4..7 come from bytes 0–3 | 8–11 (low nibbles) | 4–7 | 8–11 (high
@@ -296,8 +317,8 @@ ALWAYS_INLINE void Q4K::avx2(const uint8_t* w, const int8_t* a, const int16_t* x
   for (int c = 0; c < 4; ++c) {
     const __m256i bits = load(w + 16 + 32 * c);
     const __m256i lo = _mm256_and_si256(bits, m4), hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
-    s = _mm256_add_epi32(s, times_scale(lo, a + 64 * c, scale_of(scales, 2 * c)));
-    s = _mm256_add_epi32(s, times_scale(hi, a + 64 * c + 32, scale_of(scales, 2 * c + 1)));
+    s = add_scaled(s, lo, a + 64 * c, scale_of(scales, 2 * c));
+    s = add_scaled(s, hi, a + 64 * c + 32, scale_of(scales, 2 * c + 1));
   }
   m = _mm256_madd_epi16(sm, load(xs));
 }
@@ -367,16 +388,10 @@ ALWAYS_INLINE void Q5K::avx2(const uint8_t* w, const int8_t* a, const int16_t* x
     const __m256i h_hi = _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, 2 * c + 1), 4), bit4);
     const __m256i lo = _mm256_or_si256(_mm256_and_si256(bits, m4), h_lo);
     const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits, 4), m4), h_hi);
-    s = _mm256_add_epi32(s, times_scale(lo, a + 64 * c, scale_of(scales, 2 * c)));
-    s = _mm256_add_epi32(s, times_scale(hi, a + 64 * c + 32, scale_of(scales, 2 * c + 1)));
+    s = add_scaled(s, lo, a + 64 * c, scale_of(scales, 2 * c));
+    s = add_scaled(s, hi, a + 64 * c + 32, scale_of(scales, 2 * c + 1));
   }
   m = _mm256_madd_epi16(sm, load(xs));
-}
-
-// Q6_K's int8 scales j and j+1 as i16: sc[j] in lanes 0–7, sc[j+1] in lanes 8–15.
-inline __m256i pair_scale(__m128i sc, int j) {
-  constexpr int64_t ones = 0x0101010101010101LL;
-  return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, _mm_set_epi64x(ones * (j + 1), ones * j)));
 }
 
 // Half h of a Q6_K super-block: its 128 codes (weights l, l+32, l+64, l+96 of the half in q[0..3]),
@@ -393,15 +408,19 @@ ALWAYS_INLINE void q6_codes(const uint8_t* w, int h, __m256i q[4]) {
 }
 
 ALWAYS_INLINE void Q6K::avx2(const uint8_t* w, const int8_t* a, const int16_t* xs, __m256i& s, __m256i& m) {
-  const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192));
-  s = _mm256_setzero_si256();
+  const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192)));
+  __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();  // two chains of dot instructions
   for (int h = 0; h < 2; ++h) {
     __m256i q[4];
     q6_codes(w, h, q);
-    for (int i = 0; i < 4; ++i)
-      s = _mm256_add_epi32(s, times_scale(q[i], a + 128 * h + 32 * i, pair_scale(sc, 8 * h + 2 * i)));
+    const __m256i half = half_scales(sc16, h);
+    s0 = add_scaled(s0, q[0], a + 128 * h, pair_of_half(half, 0));
+    s1 = add_scaled(s1, q[1], a + 128 * h + 32, pair_of_half(half, 1));
+    s0 = add_scaled(s0, q[2], a + 128 * h + 64, pair_of_half(half, 2));
+    s1 = add_scaled(s1, q[3], a + 128 * h + 96, pair_of_half(half, 3));
   }
-  m = _mm256_slli_epi32(_mm256_madd_epi16(load(xs), _mm256_cvtepi8_epi16(sc)), 5);  // 32·Σ sc_j·bsum_j
+  s = _mm256_add_epi32(s0, s1);
+  m = _mm256_slli_epi32(_mm256_madd_epi16(load(xs), sc16), 5);  // 32·Σ sc_j·bsum_j
 }
 
 // Several activation rows (T >= 2): each weight super-block is unpacked once into the same form
@@ -476,16 +495,17 @@ ALWAYS_INLINE void unpack(Q5K, const uint8_t* w, Unpacked& u) {
 }
 
 ALWAYS_INLINE void unpack(Q6K, const uint8_t* w, Unpacked& u) {
-  const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192));
+  const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192)));
   for (int h = 0; h < 2; ++h) {
     __m256i q[4];
     q6_codes(w, h, q);
+    const __m256i half = half_scales(sc16, h);
     for (int i = 0; i < 4; ++i) {
       store(u.codes + 128 * h + 32 * i, q[i]);
-      store(u.scales[4 * h + i], pair_scale(sc, 8 * h + 2 * i));
+      store(u.scales[4 * h + i], pair_of_half(half, i));
     }
   }
-  store(u.mins, _mm256_slli_epi16(_mm256_cvtepi8_epi16(sc), 5));  // 32·sc_j: |.| <= 4096 fits i16
+  store(u.mins, _mm256_slli_epi16(sc16, 5));  // 32·sc_j: |.| <= 4096 fits i16
 }
 
 // What `unpacked_dot` meets `dot_order` activations with: `unpack`, or for a repacked type its
@@ -540,12 +560,12 @@ struct Decoded<Q6K> {
   Held h;
   __m256i sc16;
   ALWAYS_INLINE explicit Decoded(const uint8_t* w) {
-    const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192));
+    sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192)));
     for (int half = 0; half < 2; ++half) {
       q6_codes(w, half, h.codes + 4 * half);
-      for (int i = 0; i < 4; ++i) h.scales[4 * half + i] = pair_scale(s8, 8 * half + 2 * i);
+      const __m256i sc = half_scales(sc16, half);
+      for (int i = 0; i < 4; ++i) h.scales[4 * half + i] = pair_of_half(sc, i);
     }
-    sc16 = _mm256_cvtepi8_epi16(s8);
   }
   ALWAYS_INLINE void dot(const int8_t* a, const int16_t* xs, __m256i& s, __m256i& m) const {
     s = unpacked_dot(h, a);
@@ -572,6 +592,23 @@ ALWAYS_INLINE __m256 add_superblock(__m256 acc, __m256i s, __m256i m, float dw, 
   if constexpr (KT::mins_in_d) return _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_sub_epi32(s, m)), acc);
   acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(s), acc);
   return _mm256_fmadd_ps(_mm256_set1_ps(-(dminw * dx)), _mm256_cvtepi32_ps(m), acc);
+}
+
+// add_superblock with the block's d_w and dmin_w read from it: for a type with both (adjacent f16),
+// one conversion of the pair and one multiply by d_x.
+template <class KT>
+ALWAYS_INLINE __m256 add_block(__m256 acc, __m256i s, __m256i m, const uint8_t* wb, const float* dx) {
+#ifdef __F16C__
+  if constexpr (!KT::mins_in_d) {
+    static_assert(KT::dmin_at == KT::d_at + 2);
+    uint32_t pair;
+    std::memcpy(&pair, wb + KT::d_at, 4);
+    const __m128 scaled = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(pair))), _mm_broadcast_ss(dx));
+    acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(scaled), _mm256_cvtepi32_ps(s), acc);
+    return _mm256_fnmadd_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(scaled)), _mm256_cvtepi32_ps(m), acc);
+  }
+#endif
+  return add_superblock<KT>(acc, s, m, fp16(wb + KT::d_at), KT::mins_in_d ? 0.f : fp16(wb + KT::dmin_at), *dx);
 }
 
 // A super-block's d_w and dmin_w (0 for a type whose mins are in d).
@@ -639,7 +676,7 @@ ALWAYS_INLINE __m256 row_lanes(const uint8_t* w, const int8_t* a, const float* d
       _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetch + line), _MM_HINT_T0);
     __m256i s, m;
     KT::avx2(wb, a + b * QK_K, xs + b * 16, s, m);
-    acc = add_superblock<KT>(acc, s, m, weight_d<KT>(wb), weight_dmin<KT>(wb), dx[b]);
+    acc = add_block<KT>(acc, s, m, wb, dx + b);
   }
   return acc;
 }
