@@ -33,8 +33,8 @@ FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16}
 
 
 def random_rows(t: BlockType, lead: tuple[int, ...], row_elems: int, seed: int) -> np.ndarray:
-    """Valid rows of type t, uint8 [*lead, row_bytes]: random bytes with finite random fp16 scales
-    (any other byte pattern is a valid block); random normal values for the float types."""
+    """Valid rows of type t, uint8 [*lead, row_bytes]: random bytes with finite nonzero random fp16
+    scales (any other byte pattern is a valid block); random normal values for the float types."""
     rng = np.random.default_rng(seed)
     if t.block_elems == 1:
         values = rng.standard_normal((*lead, row_elems)).astype(np.float32)
@@ -45,6 +45,8 @@ def random_rows(t: BlockType, lead: tuple[int, ...], row_elems: int, seed: int) 
     blocks = rng.integers(0, 256, (*lead, nb, t.block_bytes), dtype=np.uint8)
     for at in F16_FIELDS[t.name]:
         scales = (rng.standard_normal((*lead, nb, 1)) * rng.choice([1e-3, 0.05, 3.0])).astype(np.float16)
+        # Nonzero: a block with d = 0 has all-zero weights, from which the emulation cannot read its codes.
+        scales[scales == 0] = np.float16(1e-3)
         blocks[..., at : at + 2] = scales.view(np.uint8)
     return blocks.reshape(*lead, nb * t.block_bytes)
 
@@ -185,9 +187,10 @@ def rows32(N: int, K: int, seed: int, quantized: bool, t: GGMLType = GGMLType.Q8
     return random_rows(block_type(t), (N,), K, seed)
 
 
-SHAPES = [(1, 32, 1), (1, 608, 37), (3, 96, 5), (7, 256, 17), (32, 608, 9), (70, 96, 91)]
+SHAPES = [(1, 32, 1), (1, 608, 37), (3, 96, 5), (7, 256, 17), (5, 256, 9), (32, 608, 9), (70, 96, 91)]
 # (T, K, N). 608 = 19 blocks: 2 x 8 and 3. 70 x 91: two tiles of activation rows against 5 groups of
-# 16 weight rows (two chunks: 4 + 1), then a group of 8 and 3 single rows; N = 9 and 17 the tails alone
+# 16 weight rows (two chunks: 4 + 1), then a group of 8 and 3 single rows; N = 9 and 17 the tails alone.
+# 5 x 256 x 9: the tail row's 5 activation rows as 4 + 1, the last one on 512-bit block pairs
 
 
 @pytest.mark.parametrize(("T", "K"), [(1, 32), (5, 96), (7, 608)])
