@@ -216,11 +216,18 @@ inline __m512i pair_codes(const uint8_t* blk) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(unpack<B>(blk)), unpack<B>(blk + B::BYTES), 1);
 }
 
-// A block pair's 16 int32 sums (w_abs = |w|, neg: w's sign bits; x·sign(w) against |w|, |-128|
-// read as unsigned 128, as `signed_dot`).
-inline __m512i pair_dot(__m512i w_abs, __mmask64 neg, const int8_t* a) {
-  const __m512i x = _mm512_loadu_si512(a);
-  return _mm512_dpbusd_epi32(_mm512_setzero_si512(), w_abs, _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x));
+// A block pair's codes as unsigned w + 128 (`pair_codes` xor 0x80), for `pair_dot`.
+template <typename B>
+inline __m512i pair_codes_u8(const uint8_t* blk) {
+  return _mm512_xor_si512(pair_codes<B>(blk), _mm512_set1_epi8(static_cast<char>(0x80)));
+}
+
+// A block pair's 16 int32 sums Σ w·x over each 4 codes: w + 128 (wu) against x (a), from
+// off = −128·Σx of those 4 activation codes (`lane_offsets`). The same integers as |w| against
+// x·sign(w) (`signed_dot`) in two instructions where that takes four (an abs, a sign mask and a
+// masked negate before the dot).
+inline __m512i pair_dot(__m512i wu, const int32_t* off, const int8_t* a) {
+  return _mm512_dpbusd_epi32(_mm512_loadu_si512(off), wu, _mm512_loadu_si512(a));
 }
 
 // The scales of 8 blocks (lanes 0-7 of scale8) spread over block pair p's lanes: block 2p's over
@@ -234,9 +241,10 @@ inline __m512 pair_scale(__m512 scale8, int p) {
 // Activation rows rows[0..R) (of nb blocks each, at a and dx; sx: their blocks' d·Σq for the types
 // with a min) against one weight row → out[rows[r]·N]: each block unpacked once and met by every
 // row, its 8 int32 lanes scaled into a float accumulator per row (llama.cpp's order), summed at the end.
+// off: the activation rows' `lane_offsets` (read by the 512-bit path).
 template <Isa I, typename B, int R>
 void row_dots(const uint8_t* w, const float* dw, const int8_t* a, const float* dx, const float* sx, int64_t nb,
-              const int64_t* rows, float* out, int64_t N) {
+              const int64_t* rows, float* out, int64_t N, const int32_t* off) {
   __m256 acc[R];
   float mins[R] = {}, wide[R] = {};
   const int8_t* ar[R];
@@ -256,11 +264,10 @@ void row_dots(const uint8_t* w, const float* dw, const int8_t* a, const float* d
       for (int r = 0; r < R; ++r)
         scale[r] = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_loadu_ps(dw + b), _mm256_loadu_ps(dr[r] + b)));
       for (int p = 0; p < 4; ++p) {
-        const __m512i wq = pair_codes<B>(w + (b + 2 * p) * B::BYTES);
-        const __m512i w_abs = _mm512_abs_epi8(wq);
-        const __mmask64 neg = _mm512_movepi8_mask(wq);
+        const int64_t c = b + 2 * p;
+        const __m512i wu = pair_codes_u8<B>(w + c * B::BYTES);
         for (int r = 0; r < R; ++r) {
-          const __m512i sums = pair_dot(w_abs, neg, ar[r] + (b + 2 * p) * QK8);
+          const __m512i sums = pair_dot(wu, off + (rows[r] * nb + c) * 8, ar[r] + c * QK8);
           acc2[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), pair_scale(scale[r], p), acc2[r]);
         }
       }
@@ -353,11 +360,8 @@ float row_dot(const uint8_t* w, const float* dw, const int8_t* a, const float* d
   float s = 0.f;
 #if defined(HYBRIDKV_ZMM)
   if constexpr (I == Isa::Vnni) {
-    // The codes as unsigned w + 128 (one xor) against x, from −128·Σx of each 4 codes (`off`): the
-    // same integer sums as |w| against x·sign(w) (`pair_dot`), in two instructions instead of four.
-    // Two blocks per 512-bit vector: a block pair's 16 int32 lanes are scaled in float by their
-    // blocks' d_w·d_x (spread over the halves by one permute) into one accumulator.
-    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    // Two blocks per 512-bit vector (`pair_dot`): a block pair's 16 int32 lanes are scaled in float
+    // by their blocks' d_w·d_x (spread over the halves by one permute) into one accumulator.
     __m512 acc = _mm512_setzero_ps();
     __m256 mins = _mm256_setzero_ps();
     for (; b + 8 <= nb; b += 8) {
@@ -365,8 +369,7 @@ float row_dot(const uint8_t* w, const float* dw, const int8_t* a, const float* d
       const __m512 scale = _mm512_castps256_ps512(_mm256_mul_ps(dw8, _mm256_loadu_ps(dx + b)));
       for (int p = 0; p < 4; ++p) {
         const int64_t c = b + 2 * p;
-        const __m512i wu = _mm512_xor_si512(pair_codes<B>(w + c * B::BYTES), flip);
-        const __m512i sums = _mm512_dpbusd_epi32(_mm512_loadu_si512(off + c * 8), wu, _mm512_loadu_si512(a + c * QK8));
+        const __m512i sums = pair_dot(pair_codes_u8<B>(w + c * B::BYTES), off + c * 8, a + c * QK8);
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), pair_scale(scale, p), acc);
       }
       if constexpr (B::HAS_MIN) mins = _mm256_fmadd_ps(halves8<B>(w + b * B::BYTES, 2), _mm256_loadu_ps(sx + b), mins);
@@ -404,8 +407,8 @@ inline void row_scales(const uint8_t* wr, int64_t nb, float* dw) {
   for (int64_t b = 0; b < nb; ++b) dw[b] = fp16(wr + b * B::BYTES);
 }
 
-// `row_dot`'s offsets for activation rows a [T, nb·32] on the 512-bit path: −128·Σ of each 4 codes
-// (an empty vector elsewhere: `row_dot` then takes x·sign(w) against |w|).
+// `pair_dot`'s offsets for activation rows a [T, nb·32] on the 512-bit path: −128·Σ of each 4 codes,
+// [T, nb·8] (an empty vector elsewhere, where `signed_dot` takes x·sign(w) against |w|).
 template <Isa I>
 std::vector<int32_t> lane_offsets(const int8_t* a, int64_t T, int64_t nb) {
   std::vector<int32_t> off;
@@ -435,12 +438,12 @@ void rows_dot(const uint8_t* w, float* dw, const int8_t* a, const float* dx, con
 #ifdef __AVX2__
   if constexpr (I != Isa::Scalar) {
     if (n > 1) {
-      for (; i + 4 <= n; i += 4) row_dots<I, B, 4>(w, dw, a, dx, sx, nb, rows + i, y, N);
+      for (; i + 4 <= n; i += 4) row_dots<I, B, 4>(w, dw, a, dx, sx, nb, rows + i, y, N, off);
       if (n - i == 3) {
-        row_dots<I, B, 3>(w, dw, a, dx, sx, nb, rows + i, y, N);
+        row_dots<I, B, 3>(w, dw, a, dx, sx, nb, rows + i, y, N, off);
         i += 3;
       } else if (n - i == 2) {
-        row_dots<I, B, 2>(w, dw, a, dx, sx, nb, rows + i, y, N);
+        row_dots<I, B, 2>(w, dw, a, dx, sx, nb, rows + i, y, N, off);
         i += 2;
       }
     }
