@@ -176,6 +176,7 @@ def _gdn_pytorch(mixed, conv_w, A_log, dt_bias, norm_w, eps, Hk, dk, conv, delta
         (1, 2, 16, 144, 3),  # whole 128-wide rows of the state and a 16-wide rest; conv kernel 3
         (2, 2, 16, 128, 2),  # conv kernel 2: a window of one
         (1, 1, 16, 16, 5),  # conv kernel 5: the window's length at run time
+        (1, 1, 16, 16, 10),  # conv kernel 10: more taps than the permute tables take, lane by lane
     ],
 )
 def test_gdn_forward_equals_pytorch_path_and_updates_slots_and_snapshots(

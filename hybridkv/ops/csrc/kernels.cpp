@@ -827,23 +827,16 @@ void gated_rms_norm(const float* o, const float* z, const float* weight, float e
 }
 
 
-// n vectors stored interleaved, element j of lane l at l*n + j (the conv weight [C, K] and state
-// [C, K-1] of LANES channels), split into n vectors (lane l of vector j = element j of lane l) and
-// joined back, by two-source lane permutes in registers, where lane-by-lane moves went through
-// memory (perf put a third of the conv phase on three of those scalar stores). With the loop order
-// below: the 0.8B shape's 18 linear-attention layers took 5-8% less time at batch 8, 3-5% at
-// batch 1 (Zen 4). `ok` false (AVX2, or n above MAX): the caller moves lanes one by one.
-struct Interleaved {
-  static constexpr int MAX = 8;
-  int n = 0;
-  bool ok = false;
 #if HYBRIDKV_LANES == 16
+// The permute tables for n vectors (1..MAX), built once per process (not at every decode call).
+struct Permutes {
+  static constexpr int MAX = 8;
+  int n;
   // Step s of output o: acc = permute(acc, x[s]) (step 1: permute(x[0], x[1]); n = 1: one permute
   // of x[0]); lanes whose source is x[s] take it, the others keep theirs.
   __m512i split_idx[MAX][MAX], join_idx[MAX][MAX];
 
-  explicit Interleaved(int64_t count) : n(static_cast<int>(count)), ok(count >= 1 && count <= MAX) {
-    if (!ok) return;
+  explicit Permutes(int count) : n(count) {
     alignas(64) int32_t m[2][MAX][MAX][LANES];
     for (int o = 0; o < n; ++o)
       for (int l = 0; l < LANES; ++l) {
@@ -883,21 +876,49 @@ struct Interleaved {
     for (int s = 0; s < n; ++s) x[s] = (__m512)in[s];
     for (int o = 0; o < n; ++o) _mm512_storeu_ps(raw + o * LANES, (__m512)combine(x, join_idx[o]));
   }
-#else
-  explicit Interleaved(int64_t) {}
-  void split(const float*, vf*) const {}
-  void join(const vf*, float*) const {}
-#endif
 
-  // The tables for `count` vectors, built once per process (not at every decode call); a count
-  // outside 1..MAX gets one whose `ok` is false.
-  static const Interleaved& of(int64_t count) {
-    static const std::vector<Interleaved> all = [] {
-      std::vector<Interleaved> tables;
-      for (int i = 0; i <= MAX + 1; ++i) tables.emplace_back(i);
+  // Tables for 1..MAX vectors, or null.
+  static const Permutes* of(int64_t count) {
+    static const std::vector<Permutes> all = [] {
+      std::vector<Permutes> tables;
+      for (int i = 1; i <= MAX; ++i) tables.emplace_back(i);
       return tables;
     }();
-    return all[std::clamp<int64_t>(count, 0, MAX + 1)];
+    return count >= 1 && count <= MAX ? &all[count - 1] : nullptr;
+  }
+};
+#endif
+
+// n vectors stored interleaved, element j of lane l at l*n + j (the conv weight [C, K] and state
+// [C, K-1] of LANES channels), split into n vectors (lane l of vector j = element j of lane l) and
+// joined back. A whole block of LANES lanes goes through `Permutes`' two-source lane permutes in
+// registers, where lane-by-lane moves went through memory (perf put a third of the conv phase on
+// three of those scalar stores); with the loop order below the 0.8B shape's 18 linear-attention
+// layers took 5-8% less time at batch 8, 3-5% at batch 1 (Zen 4). A partial block, AVX2, or n
+// above `Permutes::MAX` moves lane by lane; lanes past `width` split as 0.
+struct Interleaved {
+  int64_t n;
+#if HYBRIDKV_LANES == 16
+  const Permutes* permutes;
+  explicit Interleaved(int64_t count) : n(count), permutes(Permutes::of(count)) {}
+#else
+  explicit Interleaved(int64_t count) : n(count) {}
+#endif
+
+  void split(const float* raw, vf* out, int64_t width) const {
+#if HYBRIDKV_LANES == 16
+    if (permutes && width == LANES) return permutes->split(raw, out);
+#endif
+    for (int64_t j = 0; j < n; ++j)
+      for (int l = 0; l < LANES; ++l) out[j][l] = l < width ? raw[l * n + j] : 0.f;
+  }
+
+  void join(const vf* in, float* raw, int64_t width) const {
+#if HYBRIDKV_LANES == 16
+    if (permutes && width == LANES) return permutes->join(in, raw);
+#endif
+    for (int64_t j = 0; j < n; ++j)
+      for (int l = 0; l < width; ++l) raw[l * n + j] = in[j][l];
   }
 };
 
@@ -959,17 +980,17 @@ at::Tensor gdn_forward(const at::Tensor& mixed_in, const at::Tensor& conv_weight
   auto first_snapshot = [&](int64_t t) { return std::lower_bound(stok, stok + S, t) - stok; };
 
   // Phase 1, per block of LANES channels: the causal conv of every sequence, token by token, its
-  // window (the conv state) kept in registers; SiLU. A full block's weights [LANES, K] and state
-  // [LANES, K-1] are split into vectors (and the state joined back) by `Interleaved`'s shuffles;
-  // the last, partial block lane by lane.
+  // window (the conv state) kept in registers; SiLU. A block's weights [LANES, K] and state
+  // [LANES, K-1] are split into vectors (and the state joined back) by `Interleaved`.
   at::Tensor y = at::empty({T, C}, mixed.options());
   float* yp = y.data_ptr<float>();
-  const Interleaved &taps = Interleaved::of(K), &window = Interleaved::of(Km1);
+  const Interleaved taps(K), window(Km1);
   // One sequence's tokens through a block: `win` (oldest first) is this block's window. M > 0 is
   // K-1 known at compile time, so the window lives in registers and shifts by renaming (a run-time
   // shift loop compiles to a memmove call a token); M = 0 takes Km1 at run time.
-  auto conv_tokens = [&](auto m_const, vf* win, const vf* wt, int64_t n, int64_t c0, int64_t width, bool whole) {
+  auto conv_tokens = [&](auto m_const, vf* win, const vf* wt, int64_t n, int64_t c0, int64_t width) {
     constexpr int M = decltype(m_const)::value;
+    const bool whole = width == LANES;
     vf reg[M > 0 ? M : 1];
     vf* w = M > 0 ? reg : win;
     const int64_t m = M > 0 ? M : Km1;
@@ -990,12 +1011,7 @@ at::Tensor gdn_forward(const at::Tensor& mixed_in, const at::Tensor& conv_weight
         store(yp + t * C + c0, act);
       else
         std::memcpy(yp + t * C + c0, &act, width * sizeof(float));
-      for (; p < S && stok[p] == t; ++p)
-        if (whole)
-          window.join(w, scp + (sid[p] * C + c0) * Km1);
-        else
-          for (int64_t j = 0; j < m; ++j)
-            for (int l = 0; l < width; ++l) scp[(sid[p] * C + c0 + l) * Km1 + j] = w[j][l];
+      for (; p < S && stok[p] == t; ++p) window.join(w, scp + (sid[p] * C + c0) * Km1, width);
     }
     for (int64_t j = 0; j < M; ++j) win[j] = reg[j];
   };
@@ -1004,38 +1020,23 @@ at::Tensor gdn_forward(const at::Tensor& mixed_in, const at::Tensor& conv_weight
     // and outputs in order (the 0.8B shape's states are 72 KiB apart, its output rows 24 KiB, so
     // going across the sequences block by block puts all of them on the same L1 sets).
     std::vector<vf> wts((end - begin) * K), win(std::max<int64_t>(Km1, 1));
-    auto whole_block = [&](int64_t c0) { return C - c0 >= LANES && window.ok && taps.ok; };
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t c0 = blk * LANES, width = std::min<int64_t>(LANES, C - c0);
-      vf* wt = wts.data() + (blk - begin) * K;
-      if (whole_block(c0))
-        taps.split(cw + c0 * K, wt);
-      else
-        for (int64_t j = 0; j < K; ++j)
-          for (int l = 0; l < LANES; ++l) wt[j][l] = l < width ? cw[(c0 + l) * K + j] : 0.f;
+      taps.split(cw + c0 * K, wts.data() + (blk - begin) * K, width);
     }
     for (int64_t n = 0; n < N; ++n)
       for (int64_t blk = begin; blk < end; ++blk) {
         const int64_t c0 = blk * LANES, width = std::min<int64_t>(LANES, C - c0);
-        const bool whole = whole_block(c0);
         const vf* wt = wts.data() + (blk - begin) * K;
         float* state = cp + slot[n] * C * Km1;
-        if (whole)
-          window.split(state + c0 * Km1, win.data());
-        else
-          for (int64_t j = 0; j < Km1; ++j)
-            for (int l = 0; l < LANES; ++l) win[j][l] = l < width ? state[(c0 + l) * Km1 + j] : 0.f;
+        window.split(state + c0 * Km1, win.data(), width);
         if (Km1 == 3)  // Qwen3-Next and Qwen3.5: conv kernel 4
-          conv_tokens(std::integral_constant<int, 3>{}, win.data(), wt, n, c0, width, whole);
+          conv_tokens(std::integral_constant<int, 3>{}, win.data(), wt, n, c0, width);
         else if (Km1 == 2)
-          conv_tokens(std::integral_constant<int, 2>{}, win.data(), wt, n, c0, width, whole);
+          conv_tokens(std::integral_constant<int, 2>{}, win.data(), wt, n, c0, width);
         else
-          conv_tokens(std::integral_constant<int, 0>{}, win.data(), wt, n, c0, width, whole);
-        if (whole)
-          window.join(win.data(), state + c0 * Km1);
-        else
-          for (int64_t j = 0; j < Km1; ++j)
-            for (int l = 0; l < width; ++l) state[(c0 + l) * Km1 + j] = win[j][l];
+          conv_tokens(std::integral_constant<int, 0>{}, win.data(), wt, n, c0, width);
+        window.join(win.data(), state + c0 * Km1, width);
       }
   });
   // L2 norm of each q and k head (q also scaled by dk^-0.5), per token.
