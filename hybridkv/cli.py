@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hybridkv.cache.config import BudgetTooSmall
-from hybridkv.engine.speculative import SPEC_METHODS, SpeculativeConfig
+from hybridkv.engine.speculative import DRAFT_BUDGET, SPEC_METHODS, SpeculativeConfig
 from hybridkv.errors import NotSupported
 from hybridkv.models.sources import resolve_model
 from hybridkv.models.weights import InsufficientMemory, format_bytes
@@ -168,17 +168,27 @@ def add_speculative_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--num-speculative-tokens",
         type=int,
-        default=4,
         metavar="K",
-        help="tokens drafted and verified per step at most (default 4)",
+        help="tokens drafted and verified per sequence and step at most (default: 8 for ngram and auto, 4 for mtp)",
+    )
+    parser.add_argument(
+        "--speculative-budget",
+        type=int,
+        default=DRAFT_BUDGET,
+        metavar="N",
+        help="drafted tokens one step verifies in all, shared by the sequences drafting in it: each of n drafts at "
+        f"most N/n (default {DRAFT_BUDGET})",
     )
 
 
 def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
     try:
-        return SpeculativeConfig(args.speculative, args.num_speculative_tokens)
+        return SpeculativeConfig(
+            args.speculative, args.num_speculative_tokens, draft_budget=args.speculative_budget
+        )
     except ValueError as e:
-        raise UsageError(str(e).replace("num_speculative_tokens", "--num-speculative-tokens")) from None
+        message = str(e).replace("num_speculative_tokens", "--num-speculative-tokens")
+        raise UsageError(message.replace("speculative draft_budget", "--speculative-budget")) from None
 
 
 def add_disk_flags(parser: argparse.ArgumentParser) -> None:

@@ -32,12 +32,12 @@ from hybridkv.models import ModelConfig
 from hybridkv.ops import native
 
 
-def scenario_names(spec_methods: tuple[str, ...] = ("ngram", "mtp", "auto"), spec_k: int = 4) -> list[str]:
-    """Every scenario a run reports, in order, for the drafts it measures and their k."""
+def scenario_names(spec_methods: tuple[str, ...] = ("ngram", "mtp", "auto"), verify_k: int = 8) -> list[str]:
+    """Every scenario a run reports, in order, for the drafts it measures and the widths verify_w* times."""
     return [
         *BASE_SCENARIOS[:10],
         *(f"{s}/{m}" for s in ("spec_code_edit_b1", "spec_free_text_b1", "spec_code_edit_b8") for m in spec_methods),
-        *(f"verify_w{w}" for w in range(1, spec_k + 2) if spec_methods),
+        *(f"verify_w{w}" for w in range(1, verify_k + 2) if spec_methods),
         *BASE_SCENARIOS[10:],
     ]
 
@@ -124,17 +124,20 @@ def document(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     shape = TINY_SHAPES[request.param]
     # One family built in a temporary directory (the default), the other in a cache directory.
     cache = tmp_path_factory.mktemp("bench-cache") if request.param == "qwen3_5_text" else None
-    # ... and one with every draft at k = 4, the other with `--speculative ngram --num-speculative-tokens 2`.
+    # ... and one with every draft at its default k, the other with `--speculative ngram --num-speculative-tokens 2`.
     plan = TINY_PLAN.replace(spec_methods=("ngram",), spec_k=2) if cache else TINY_PLAN
     return bench.run(None, torch.float32, plan, log=lambda line: None, shape=shape, limits=LIMITS, cache_dir=cache)
 
 
 def test_every_scenario_reports_both_engines_a_unit_and_a_ratio(document):
     ran = document["run"]["plan"]
-    methods = ["ngram", "mtp", "auto"] if ran["spec_k"] == 4 else ["ngram"]
+    methods = ["ngram", "mtp", "auto"] if ran["spec_k"] is None else ["ngram"]
     assert ran["spec_methods"] == methods
-    assert list(document["scenarios"]) == scenario_names(tuple(methods), ran["spec_k"])
-    assert document["scenarios"]["spec_code_edit_b1/ngram"]["k"] == ran["spec_k"]
+    # verify_w* up to the largest k measured: ngram's and auto's default 8, or the k given
+    assert ran["verify_k"] == (8 if ran["spec_k"] is None else ran["spec_k"])
+    assert list(document["scenarios"]) == scenario_names(tuple(methods), ran["verify_k"])
+    ks = {m: document["scenarios"][f"spec_code_edit_b1/{m}"]["k"] for m in methods}
+    assert ks == ({"ngram": 8, "mtp": 4, "auto": 8} if ran["spec_k"] is None else {"ngram": ran["spec_k"]})
     for name, s in document["scenarios"].items():
         assert s["hybridkv"] > 0 and s["transformers"] > 0, name
         assert s["unit"] in ("tok/s", "ms/token", "ms", "ms/step"), name
@@ -248,7 +251,7 @@ def test_bench_speculation_flags(capsys):
     assert cli.main(["bench", "--num-speculative-tokens", "0", "--quick"]) == 2
     assert "--num-speculative-tokens must be an int in 1..16" in capsys.readouterr().err
     args = cli._parser().parse_args(["bench", "--speculative", "off"])
-    assert bench._speculation(args) == {"spec_methods": (), "spec_k": 4}
+    assert bench._speculation(args) == {"spec_methods": (), "spec_k": None}
     args = cli._parser().parse_args(["bench", "--speculative", "mtp", "--num-speculative-tokens", "3"])
     assert bench._speculation(args) == {"spec_methods": ("mtp",), "spec_k": 3}
 

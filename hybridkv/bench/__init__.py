@@ -116,9 +116,9 @@ def add_parser(commands: Any) -> None:
     bench.add_argument(
         "--num-speculative-tokens",
         type=int,
-        default=4,
         metavar="K",
-        help="tokens drafted per verify in spec_*; verify_w* times widths 1..K+1 (default 4)",
+        help="tokens drafted per verify in spec_* (default: each method's, 8 for ngram and auto, 4 for mtp); "
+        "verify_w* times widths 1..K+1 (default K: the largest of the measured methods')",
     )
     bench.add_argument("--json", metavar="PATH", type=Path, help="also write the figures to PATH as JSON")
     bench.set_defaults(run=main)
@@ -171,7 +171,7 @@ def _speculation(args: argparse.Namespace) -> dict[str, Any]:
     k = args.num_speculative_tokens
     methods = {"all": ("ngram", "mtp", "auto"), "off": ()}.get(args.speculative, (args.speculative,))
     try:
-        SpeculativeConfig("ngram", k)
+        SpeculativeConfig("ngram", k)  # None (each method's default) passes
     except ValueError as e:
         raise UsageError(str(e).replace("num_speculative_tokens", "--num-speculative-tokens")) from None
     return {"spec_methods": methods, "spec_k": k}
@@ -242,7 +242,7 @@ def run(
             model_dir = cached_checkpoint(shape, dtype, cache_dir or Path(tmp), log)
         _check_both_fit(weights_nbytes(model_dir, dtype), str(model_dir))
         log(f"loading {model_dir} in both engines ({str(dtype).removeprefix('torch.')})")
-        cm = CachedModel.load(model_dir, dtype=dtype, cache=CacheConfig(verify_rows=plan.spec_k), quantize=quantize)
+        cm = CachedModel.load(model_dir, dtype=dtype, cache=CacheConfig(verify_rows=plan.verify_k), quantize=quantize)
         peer = load_peer(model_dir, dtype)
         if limits is None:
             log("measuring the machine's limits")
@@ -266,7 +266,7 @@ def run(
         "torch_version": torch.__version__,
         "transformers_version": transformers.__version__,
         "plan": {
-            **{k: getattr(plan, k) for k in ("reps", "warmup", "decode_steps", "spec_k")},
+            **{k: getattr(plan, k) for k in ("reps", "warmup", "decode_steps", "spec_k", "verify_k")},
             "spec_methods": list(plan.spec_methods),
         },
     }

@@ -41,13 +41,12 @@ def speculative(b: Bench) -> list[Result]:
     from hybridkv.engine.sampling import SamplingParams
 
     prompts = json.loads(PROMPTS.read_text())
-    k = b.plan.spec_k
-    plain = _llm("off", k)
+    plain = _llm("off", None)
     llms: dict[str, LLM] = {}
     skipped: list[str] = []
     for method in b.plan.spec_methods:
         try:
-            llms[method] = _llm(method, k)
+            llms[method] = _llm(method, b.plan.spec_k)
         except ValueError as e:  # mtp on a model without the block
             skipped.append(f"{method}: {e}")
     for line in skipped:
@@ -69,16 +68,23 @@ def speculative(b: Bench) -> list[Result]:
             counts = Counter(llm.engine.counters)
             counts.subtract(before)
             tokens = new_tokens * sum(len(g) for g in groups)
+            spec = llm.engine.config.speculative
             ours, theirs = (tokens / _median([t[i] for t in times]) for i in (0, 1))
             target = AUTO_FLOOR if method == "auto" else TARGETS.get((name, method))
-            notes = _acceptance(counts, k) | {"batch": batch, "prompts": len(ids), "new_tokens": new_tokens, "k": k}
+            notes = _acceptance(counts, spec.k) | {
+                "batch": batch,
+                "prompts": len(ids),
+                "new_tokens": new_tokens,
+                "k": spec.k,
+                "draft_budget": spec.draft_budget,
+            }
             results.append(
                 Result(f"{name}/{method}", ours, theirs, "tok/s", target, None, notes, "hybridkv, no speculation")
             )
     return results
 
 
-def _llm(method: str, k: int) -> LLM:
+def _llm(method: str, k: int | None) -> LLM:
     from hybridkv.engine.engine import EngineConfig
     from hybridkv.engine.llm import LLM, default_cache_config
     from hybridkv.engine.speculative import SpeculativeConfig
@@ -123,7 +129,7 @@ def verify_cost(b: Bench) -> list[Result]:
     from hybridkv.bench.scenarios import Result, _timed
     from hybridkv.bench.workload import random_ids
 
-    cm, K = b.cm, b.plan.spec_k
+    cm, K = b.cm, b.plan.verify_k
     if not b.plan.spec_methods or cm.cache.config.verify_rows < K:
         b.log("  verify_w*: skipped (no speculation, or the bench cache has too few verify rows)")
         return []

@@ -244,10 +244,19 @@ class Plan:
     reps: int = 5  # timed repetitions of every other scenario; the median counts
     warmup: int = 1
     spec_methods: tuple[str, ...] = ("ngram", "mtp", "auto")  # the drafts spec_* measures (none: skipped)
-    spec_k: int = 4  # tokens drafted per verify in spec_*; verify_w1..w(k+1)
+    spec_k: int | None = None  # tokens drafted per verify in spec_* (None: each method's default)
 
     def replace(self, **changes: Any) -> Plan:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def verify_k(self) -> int:
+        """k of verify_w1..w(k+1): spec_k, or the largest default of the drafts measured (0: none)."""
+        from hybridkv.engine.speculative import DEFAULT_TOKENS
+
+        if not self.spec_methods:
+            return 0
+        return self.spec_k if self.spec_k is not None else max(DEFAULT_TOKENS[m] for m in self.spec_methods)
 
 
 FULL = Plan()

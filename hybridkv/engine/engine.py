@@ -100,11 +100,11 @@ class Engine:
                 f"CacheConfig.max_sequences={cache.max_sequences} must exceed max_num_seqs={config.max_num_seqs}"
             )
         spec = config.speculative
-        if spec.enabled and cache.verify_rows < spec.num_tokens and cm.spec_needs_rows:
+        if spec.enabled and cache.verify_rows < spec.per_sequence(1) and cm.spec_needs_rows:
             raise ValueError(
-                f"speculative decoding needs CacheConfig.verify_rows >= num_speculative_tokens={spec.num_tokens} "
-                f"(num_speculative_tokens × max_num_seqs = {spec.num_tokens * config.max_num_seqs} lets every "
-                f"sequence speculate), got {cache.verify_rows}"
+                f"speculative decoding needs CacheConfig.verify_rows >= {spec.per_sequence(1)}, the drafts one "
+                f"sequence verifies ({spec.verify_rows(config.max_num_seqs)} lets every sequence speculate), "
+                f"got {cache.verify_rows}"
             )
         if spec.method == "mtp" and not cm.has_mtp:
             raise ValueError(
@@ -284,7 +284,10 @@ class Engine:
 
     def _drafts(self, decoding: list[tuple[Request, Branch]], budget: int) -> dict[int, list[int]]:
         """Drafts for the branches about to decode (sequence -> tokens after its pending one),
-        within the token budget, the free verify rows, the context and each request's max_tokens."""
+        within each one's share of the draft budget (`SpeculativeConfig.per_sequence` over the
+        branches that have a draft), the step's token budget, the free verify rows, the context
+        and each request's max_tokens."""
+        config = self.config.speculative
         rows = self.cm.cache.verify_rows.num_free if self.cm.spec_needs_rows else 1 << 30
         budget -= len(decoding)  # every branch feeds its pending token anyway
         wanted: dict[int, int] = {}
@@ -293,27 +296,35 @@ class Engine:
             spec = branch.spec
             if spec is None or branch.seq is None:
                 continue
-            k = spec.adaptive.next_k() if spec.adaptive is not None else self.config.speculative.num_tokens
+            k = spec.adaptive.next_k() if spec.adaptive is not None else config.k
             room = self.cm.cache.config.max_model_len - self.cm.length(branch.seq) - 1
             if request.params.max_tokens is not None:
                 room = min(room, request.params.max_tokens - len(branch.completion.token_ids) - 1)
-            k = min(k, room, budget, rows)
-            if k > 0:
-                wanted[branch.seq], owner[branch.seq] = k, (request, branch)
-                budget -= k
-                rows -= k
-        drafts: dict[int, list[int]] = {}
-        mtp = {seq: k for seq, k in wanted.items() if _uses_mtp(owner[seq][1])}
-        if mtp:
-            pending = {seq: owner[seq][1].pending for seq in mtp}
-            proposed = self.cm.draft_mtp({s: t for s, t in pending.items() if t is not None}, max(mtp.values()))
-            drafts.update({seq: proposed[seq][:k] for seq, k in mtp.items()})
+            if min(k, room) > 0:
+                wanted[branch.seq], owner[branch.seq] = min(k, room), (request, branch)
+        # Lookups first (a few dict reads each): only the branches that found a draft share the budget.
+        proposed: dict[int, list[int]] = {}
         for seq, k in wanted.items():
             request, branch = owner[seq]
             spec = branch.spec
             if spec is not None and spec.index is not None:
                 _index_tokens(spec, request.prompt_ids, branch.completion.token_ids)
-                drafts[seq] = spec.index.propose(k)
+                proposed[seq] = spec.index.propose(k)
+        drafting = [seq for seq in wanted if proposed.get(seq, True)]  # an MTP branch always drafts
+        share = config.per_sequence(len(drafting))
+        granted: dict[int, int] = {}
+        for seq in drafting:
+            k = min(wanted[seq], share, budget, rows)
+            if k > 0:
+                granted[seq] = k
+                budget -= k
+                rows -= k
+        drafts = {seq: proposed[seq][:k] for seq, k in granted.items() if seq in proposed}
+        mtp = {seq: k for seq, k in granted.items() if seq not in proposed}
+        if mtp:
+            pending = {seq: owner[seq][1].pending for seq in mtp}
+            made = self.cm.draft_mtp({s: t for s, t in pending.items() if t is not None}, max(mtp.values()))
+            drafts.update({seq: made[seq][:k] for seq, k in mtp.items()})
         return {seq: d for seq, d in drafts.items() if d}
 
     def _verify(self, verifying: list[tuple[Request, Branch, torch.Tensor]]) -> None:
@@ -386,7 +397,7 @@ class Engine:
         admits."""
         bs = self.cm.cache.config.block_size
         spec = self.config.speculative
-        ahead = 1 + (spec.num_tokens if spec.enabled else 0)  # tokens a step may feed past the backlog
+        ahead = 1 + spec.k  # tokens a step may feed past the backlog
         longest = len(request.prompt_ids) + max((len(b.completion.token_ids) for b in request.branches), default=0)
         need = request.params.n * math.ceil((longest + ahead) / bs)
         while self.running:
@@ -500,7 +511,7 @@ class Engine:
         mtp = spec.method == "mtp"  # auto drafts by lookup: MTP drafting costs more than it saves so far
         return BranchDrafts(
             index=None if mtp else NgramIndex(spec.ngram_min, spec.ngram_max),
-            adaptive=AdaptiveDraft(spec.num_tokens) if spec.method == "auto" else None,
+            adaptive=AdaptiveDraft(spec.k) if spec.method == "auto" else None,
         )
 
     def _plan(

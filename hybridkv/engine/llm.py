@@ -40,12 +40,13 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def default_cache_config(engine: EngineConfig, **settings: Any) -> CacheConfig:
     """Room for the running sequences plus as many again kept for prefix reuse, and verify rows
-    for every running sequence to speculate; `settings` override any field."""
+    for every running sequence to speculate (`SpeculativeConfig.verify_rows`); `settings`
+    override any field."""
     spec = engine.speculative
     defaults: dict[str, Any] = {
         "max_sequences": 2 * engine.max_num_seqs + 1,
         "snapshots_per_sequence": 16,
-        "verify_rows": spec.num_tokens * engine.max_num_seqs if spec.enabled else 0,
+        "verify_rows": spec.verify_rows(engine.max_num_seqs),
     }
     return CacheConfig(**{**defaults, **settings})
 

@@ -63,11 +63,22 @@ def test_adaptive_k_grows_on_full_accepts_shrinks_on_misses_and_pauses() -> None
         (dict(method="medusa"), "off, ngram, mtp, auto"),
         (dict(num_tokens=0), "1..16"),
         (dict(ngram_min=3, ngram_max=2), "ngram_max"),
+        (dict(draft_budget=0), "draft_budget"),
     ],
 )
 def test_bad_speculation_settings_say_what_to_change(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         SpeculativeConfig(**kwargs)
+
+
+def test_k_defaults_by_draft_and_the_budget_is_shared() -> None:
+    assert [SpeculativeConfig(m).k for m in ("off", "ngram", "auto", "mtp")] == [0, 8, 8, 4]
+    assert SpeculativeConfig("mtp", 6).k == 6
+    spec = SpeculativeConfig("ngram", 8, draft_budget=16)
+    assert [spec.per_sequence(n) for n in (0, 1, 2, 3, 8, 16, 40)] == [8, 8, 8, 5, 2, 1, 1]
+    # rows for the most drafts any forward of up to 8 (or 40) sequences can verify
+    assert spec.verify_rows(8) == 16 and spec.verify_rows(40) == 40
+    assert SpeculativeConfig("ngram", 2).verify_rows(4) == 8  # k × sequences, below the budget
 
 
 def test_engine_refuses_speculation_without_verify_rows_and_mtp_without_a_block(
@@ -185,6 +196,31 @@ def test_greedy_and_seeded_output_equal_plain_decoding_under_a_mixed_program(
         assert spec_llm.engine.counters["preemptions"] > 0
     else:
         assert spec["c"].usage.cached_tokens == plain["c"].usage.cached_tokens > 150
+
+
+def test_sequences_drafting_together_share_the_draft_budget() -> None:
+    """k = 8 within a budget of 6: a forward verifying v sequences' drafts holds at most
+    max(1, 6 // v) of each, 6 for one alone; the output is plain decoding's either way."""
+    engine = EngineConfig(max_num_seqs=4, speculative=SpeculativeConfig("ngram", num_tokens=8, draft_budget=6))
+    llm = LLM(cache=default_cache_config(engine, max_model_len=512), engine=engine)
+    assert llm.cm.cache.config.verify_rows == 6  # min(8 × 4, max(6, 4))
+    prompt = heldout_ids()[:40] * 3  # repeats itself: lookups find long drafts
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    want = make_llm("off").generate(prompt, greedy)[0].outputs[0].token_ids
+    longest: dict[int, int] = {}  # sequences verified in one step -> most drafts one of them held
+    for copies in (1, 4):
+        requests = [llm.submit(prompt, greedy) for _ in range(copies)]
+        while not all(r.finished for r in requests):
+            before = Counter(llm.engine.counters)
+            llm.engine.step()
+            counts = Counter(llm.engine.counters)
+            counts.subtract(before)
+            if verifies := counts["spec_draft_tokens_1"]:
+                drafts = max(p for p in range(1, 9) if counts[f"spec_draft_tokens_{p}"])
+                assert counts["spec_draft_tokens"] <= 6 and drafts <= max(1, 6 // verifies)
+                longest[verifies] = max(longest.get(verifies, 0), drafts)
+        assert all(r.branches[0].completion.token_ids == want for r in requests)
+    assert longest[1] == 6 and any(v >= 2 for v in longest)  # both cases met
 
 
 # -- sampled output ---------------------------------------------------------------------------
