@@ -183,9 +183,7 @@ def add_speculative_flags(parser: argparse.ArgumentParser) -> None:
 
 def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
     try:
-        return SpeculativeConfig(
-            args.speculative, args.num_speculative_tokens, draft_budget=args.speculative_budget
-        )
+        return SpeculativeConfig(args.speculative, args.num_speculative_tokens, draft_budget=args.speculative_budget)
     except ValueError as e:
         message = str(e).replace("num_speculative_tokens", "--num-speculative-tokens")
         raise UsageError(message.replace("speculative draft_budget", "--speculative-budget")) from None

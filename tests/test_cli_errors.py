@@ -29,3 +29,26 @@ def test_a_cache_memory_beyond_this_machine_names_the_flags(capsys: pytest.Captu
     err = error_of(["generate", "a", "--cache-memory", "1000000GiB"], capsys)
     assert "more than 90% of available memory" in err and "lower --cache-memory" in err
     assert "cache budget" not in err
+
+
+@pytest.mark.parametrize(
+    "flag, value, says",
+    [
+        ("--num-speculative-tokens", "17", "--num-speculative-tokens must be an int in 1..16"),
+        ("--speculative-budget", "0", "--speculative-budget must be a positive int"),
+    ],
+)
+def test_bad_speculation_flags_name_the_flag(
+    flag: str, value: str, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    err = error_of(["generate", "a", "--speculative", "ngram", flag, value], capsys)
+    assert says in err and "draft_budget" not in err and "num_speculative_tokens" not in err
+
+
+def test_speculation_flags_reach_the_engine_config() -> None:
+    from hybridkv.engine.speculative import SpeculativeConfig
+
+    args = cli._parser().parse_args(["serve", "--speculative", "auto", "--speculative-budget", "4"])
+    assert cli.speculative_config(args) == SpeculativeConfig("auto", None, draft_budget=4)
+    args = cli._parser().parse_args(["run", "--speculative", "mtp", "--num-speculative-tokens", "2"])
+    assert cli.speculative_config(args) == SpeculativeConfig("mtp", 2)

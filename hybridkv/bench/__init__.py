@@ -310,6 +310,7 @@ def _run_scenarios(b: Bench, targets: dict[str, float]) -> list[Result]:
     results.extend(scenarios.structured(b, targets))
     b.log("spec_code_edit_b1, spec_free_text_b1, spec_code_edit_b8 (the default model, speculating against plain)")
     results.extend(speculative.speculative(b))
-    b.log("verify_w1..w5 (one verify forward of 1..5 tokens)")
+    w = b.plan.verify_k + 1
+    b.log(f"verify_w1..w{w} (one verify forward of 1..{w} tokens)")
     results.extend(speculative.verify_cost(b))
     return results
