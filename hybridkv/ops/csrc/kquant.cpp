@@ -39,6 +39,12 @@
 
 namespace {
 
+using hybridkv::fp16;
+#ifdef __AVX2__
+using hybridkv::hsum_f32;
+using hybridkv::hsum_i32;
+#endif
+
 constexpr int QK_K = 256;
 constexpr int kPrefetch = 4096;
 constexpr int64_t kQ4KR = 1012;  // Q4_K repacked at load (`Q4KR`): hybridkv's id, never in a file  // bytes of weights fetched ahead of the super-block being read
@@ -55,23 +61,8 @@ std::vector<std::string> kq_isas() {
 }
 
 Isa parse_isa(const std::string& name) {
-  const std::vector<std::string> have = kq_isas();
-  const std::string pick = name == "auto" ? have.front() : name;
-  std::string listed;
-  for (const auto& h : have) listed += (listed.empty() ? "" : ", ") + h;
-  TORCH_CHECK(std::find(have.begin(), have.end(), pick) != have.end(), "isa '", name,
-              "' is not available in this build (this CPU: ", listed, ", or auto)");
+  const std::string pick = hybridkv::pick_isa(kq_isas(), name);
   return pick == "avx2" ? Isa::Avx2 : Isa::Scalar;
-}
-
-inline float fp16(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-#ifdef __F16C__
-  return _cvtsh_ss(bits);
-#else
-  return c10::detail::fp16_ieee_to_fp32_value(bits);
-#endif
 }
 
 // x [256] → Q8_K as `quantize_row_q8_K_ref`: the first element of largest |x| maps to −127 exactly
@@ -577,13 +568,6 @@ template <class KT>
 constexpr bool kDecoded = std::is_same_v<KT, Q4KR> || std::is_same_v<KT, Q6K>;
 #endif
 
-inline int32_t hsum_i32(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-  return _mm_cvtsi128_si32(s);
-}
-
 // acc + (d_w·d_x)·S − (dmin_w·d_x)·M, or (d_w·d_x)·(S − M) for a type whose mins are in d (Q6_K):
 // one super-block pair's float step.
 template <class KT>
@@ -622,12 +606,6 @@ ALWAYS_INLINE float weight_dmin(const uint8_t* wb) {
   return fp16(wb + KT::dmin_at);
 }
 
-inline float hsum_f32(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 #endif
 
 // Each super-block's activation sums for the mins (`KT::min_sums`): 16 i16 per super-block.

@@ -31,6 +31,12 @@
 
 namespace {
 
+using hybridkv::fp16;
+#ifdef __AVX2__
+using hybridkv::hsum_f32;
+using hybridkv::hsum_i32;
+#endif
+
 constexpr int QK8 = 32;
 
 enum class Isa { Scalar, Avx2, Vnni };
@@ -48,23 +54,8 @@ std::vector<std::string> q8_isas() {
 }
 
 Isa parse_isa(const std::string& name) {
-  const std::vector<std::string> have = q8_isas();
-  const std::string pick = name == "auto" ? have.front() : name;
-  std::string listed;
-  for (const auto& h : have) listed += (listed.empty() ? "" : ", ") + h;
-  TORCH_CHECK(std::find(have.begin(), have.end(), pick) != have.end(), "isa '", name,
-              "' is not available in this build (this CPU: ", listed, ", or auto)");
+  const std::string pick = hybridkv::pick_isa(q8_isas(), name);
   return pick == "vnni" ? Isa::Vnni : pick == "avx2" ? Isa::Avx2 : Isa::Scalar;
-}
-
-inline float fp16(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-#ifdef __F16C__
-  return _cvtsh_ss(bits);
-#else
-  return c10::detail::fp16_ieee_to_fp32_value(bits);
-#endif
 }
 
 // The 32-weight block types: bytes per block, and their 32 codes (weight = d·code, + m for Q4_1, Q5_1).
@@ -182,13 +173,6 @@ inline __m256i unpack(const uint8_t* blk) {
   }
 }
 
-inline float hsum_f32(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // One block pair's dot product as 8 int32 lanes (lane i: weights 4i..4i+3), from |w| and x·sign(w).
 // Both instructions take unsigned × signed bytes, so the weight's sign moves onto the activation:
 // |w| read as unsigned is exact even for −128, and a·sign(w) cannot overflow since |a| <= 127 —
@@ -294,13 +278,6 @@ void row_dots(const uint8_t* w, const float* dw, const int8_t* a, const float* d
     }
   }
   for (int r = 0; r < R; ++r) out[rows[r] * N] = hsum_f32(acc[r]) + wide[r] + mins[r];
-}
-
-inline int32_t hsum_i32(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-  return _mm_cvtsi128_si32(s);
 }
 
 // The sums of 8 consecutive block pairs, one per lane: three rounds of pairwise adds transpose the

@@ -1,7 +1,15 @@
-// Vector helpers shared by the block kernels (quant.cpp, kquant.cpp).
+// Helpers shared by the block kernels (quant.cpp, kquant.cpp): vector forms, fp16 scales, and
+// which code path a call asks for.
 #pragma once
 
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -18,6 +26,28 @@
 #endif
 
 namespace hybridkv {
+
+// `name` ("auto": the first, the fastest) if this build has it among `have`, else an error listing
+// what it has.
+inline std::string pick_isa(const std::vector<std::string>& have, const std::string& name) {
+  const std::string pick = name == "auto" ? have.front() : name;
+  std::string listed;
+  for (const auto& h : have) listed += (listed.empty() ? "" : ", ") + h;
+  TORCH_CHECK(std::find(have.begin(), have.end(), pick) != have.end(), "isa '", name,
+              "' is not available in this build (this CPU: ", listed, ", or auto)");
+  return pick;
+}
+
+// A block's fp16 scale at p (unaligned) as float.
+inline float fp16(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+#ifdef __F16C__
+  return _cvtsh_ss(bits);
+#else
+  return c10::detail::fp16_ieee_to_fp32_value(bits);
+#endif
+}
 
 #ifdef HYBRIDKV_VNNI
 // acc + Σ over each 4 bytes of u (unsigned) · s (signed), per int32 lane.
@@ -40,6 +70,20 @@ inline __m256i dpwssd(__m256i acc, __m256i a, __m256i b) {
 #endif
 
 #ifdef __AVX2__
+inline int32_t hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+inline float hsum_f32(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
 // Transposes 8 vectors of 8 dwords in place: v[j] lane i = old v[i] lane j (the 8-weight-row
 // kernels: 8 rows' 4-byte code groups become one vector per group, a lane per row).
 inline void transpose8(__m256i* v) {
