@@ -113,3 +113,34 @@ def test_loaded_weights_are_moved_and_compute_the_same(
     plain, big = logits()
     assert not any(t.untyped_storage().data_ptr() % HUGE == 0 for t in big)
     assert torch.equal(moved, plain)
+
+
+def test_zeros_are_zeros_on_huge_pages(huge_pages: None) -> None:
+    t = pages.zeros((3, 1024, 1024), torch.float32)  # 12 MiB
+    assert t.shape == (3, 1024, 1024) and t.dtype == torch.float32 and t.is_contiguous()
+    assert t.data_ptr() % HUGE == 0 and torch.count_nonzero(t) == 0
+    assert anon_huge_kib(t.data_ptr()) >= HUGE // 1024  # written at allocation: huge pages, taken now
+    small = pages.zeros((4, 4), torch.bfloat16)  # under a huge page: plain torch.zeros
+    assert small.dtype == torch.bfloat16 and torch.count_nonzero(small) == 0
+
+
+def test_the_cache_streams_its_kv_and_live_states_from_huge_pages(huge_pages: None) -> None:
+    from hybridkv.cache.config import CacheConfig, CacheSpec
+    from hybridkv.cache.hybrid import HybridCache
+
+    spec = CacheSpec(
+        num_attention_layers=1,
+        num_kv_heads=2,
+        head_dim=64,
+        kv_dtype=torch.float32,
+        num_linear_layers=1,
+        conv_channels=512,
+        conv_kernel=4,
+        num_value_heads=4,
+        key_head_dim=64,
+        value_head_dim=64,
+    )
+    cache = HybridCache(spec, CacheConfig(max_sequences=40, max_model_len=2048))
+    streamed = [*cache.tensors.key, *cache.tensors.value, *cache.tensors.delta]
+    assert all(t.nbytes >= HUGE and t.data_ptr() % HUGE == 0 for t in streamed)
+    assert all(anon_huge_kib(t.data_ptr()) > 0 and torch.count_nonzero(t) == 0 for t in streamed)
