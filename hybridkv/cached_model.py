@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import operator
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -10,16 +11,17 @@ from typing import Literal
 
 import torch
 
-from hybridkv.cache.config import CacheConfig, CacheSpec, PoolSizes
+from hybridkv.cache.config import CacheConfig, CacheSpec, PoolSizes, fit_pools
 from hybridkv.cache.hybrid import HybridCache
 from hybridkv.errors import NotSupported
 from hybridkv.models import ModelConfig, Qwen3NextModel, load_model, read_checkpoint, weights_nbytes
 from hybridkv.models.mtp import MTPHidden
 from hybridkv.models.sources import ResolvedModel, resolve_model
-from hybridkv.models.weights import check_memory_fit
+from hybridkv.models.weights import cache_room, check_memory_fit, format_bytes
 from hybridkv.ops import native
 from hybridkv.ops.malloc import keep_freed_memory
 
+log = logging.getLogger("hybridkv")
 LogitsMode = Literal["all", "last", "none"]
 _DTYPES = {torch.float32, torch.bfloat16}
 
@@ -39,6 +41,17 @@ def cache_spec(config: ModelConfig, dtype: torch.dtype, mtp: bool = False) -> Ca
         key_head_dim=config.linear_key_head_dim,
         value_head_dim=config.linear_value_head_dim,
         hidden_carry_dim=config.hidden_size if mtp else 0,
+    )
+
+
+def _fitted_message(full: PoolSizes, sizes: PoolSizes, cache: CacheConfig, room: int) -> str:
+    """What a cache shrunk to fit (`fit_pools`) holds, and the setting that sizes it instead."""
+    tokens = sizes.num_blocks * cache.block_size
+    return (
+        f"the default cache ({format_bytes(full.total_bytes)}) does not fit in half of the memory the weights "
+        f"leave ({format_bytes(room)}): sized to {format_bytes(sizes.total_bytes)}, KV for {tokens:,} tokens "
+        f"({tokens / cache.max_model_len:.1f} sequences of {cache.max_model_len:,}) and {sizes.num_snapshots:,} "
+        "snapshots; --cache-memory sets its size"
     )
 
 
@@ -71,7 +84,9 @@ class CachedModel:
         """Load a model with a cache: a checkpoint directory, a .gguf file, an ollama name or a
         Hugging Face repo id (`resolve_model`; default: the embedded default model).
 
-        The pool sizes and the RAM they need with the weights are checked before loading.
+        The pool sizes and the RAM they need with the weights are checked before loading. Pools
+        without a byte budget shrink together until the cache takes at most half of the memory the
+        weights leave (`fit_pools`, `cache_room`), with a warning that says what it holds.
         `quantize` ('q8_0') quantizes the weights into GGUF blocks after loading (`models.quantize`;
         the check counts the float weights, which are held until each is quantized). `mtp` loads
         the checkpoint's multi-token-prediction block for `draft_mtp`, fed the main model's hidden
@@ -87,8 +102,14 @@ class CachedModel:
         cache = cache or CacheConfig()
         model_dir = source.path  # a checkpoint directory, or the (first) GGUF file
         config, _ = read_checkpoint(model_dir)
-        sizes = PoolSizes.plan(cache_spec(config, dtype, mtp), cache)
-        check_memory_fit(weights_nbytes(model_dir, dtype, mtp=mtp), sizes.total_bytes)
+        spec, cache_in = cache_spec(config, dtype, mtp), cache
+        weight_bytes = weights_nbytes(model_dir, dtype, mtp=mtp)
+        room = cache_room(weight_bytes)
+        cache, factor = fit_pools(spec, cache, room)
+        sizes = PoolSizes.plan(spec, cache)
+        if factor < 1.0:
+            log.warning(_fitted_message(PoolSizes.plan(spec, cache_in), sizes, cache, room))
+        check_memory_fit(weight_bytes, sizes.total_bytes)
         loaded = load_model(model_dir, dtype, quantize=quantize, mtp=mtp_hidden if mtp else None)
         native.enabled()  # the C++ kernels built (first time on this machine, ~10 s) or loaded now, not mid-request
         keep_freed_memory()  # each step's large buffers reused, not faulted in and zeroed again

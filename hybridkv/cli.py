@@ -141,7 +141,7 @@ def add_engine_flags(parser: argparse.ArgumentParser, max_num_seqs: int = 8) -> 
         "--cache-memory",
         metavar="SIZE",
         help="cache budget, e.g. 2GiB or 512MiB: 70%% KV blocks, 30%% snapshots (default: sized for --max-num-seqs "
-        "sequences of --max-model-len tokens)",
+        "sequences of --max-model-len tokens, shrunk to fit in half of the memory the weights leave)",
     )
     parser.add_argument(
         "--snapshot-interval", type=int, default=256, metavar="N", help="snapshot every N tokens (default 256)"

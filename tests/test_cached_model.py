@@ -10,6 +10,10 @@ import torch
 from hf_reference import hf_logits, make_hf_model, max_rel_err, save_checkpoint
 
 from hybridkv import CacheConfig, CachedModel, CacheFull
+from hybridkv.cache.config import PoolSizes
+from hybridkv.cached_model import cache_spec
+from hybridkv.models import read_checkpoint, weights_nbytes
+from hybridkv.models.weights import cache_room
 
 TOL = 1e-4
 
@@ -123,6 +127,35 @@ def test_released_slots_and_blocks_are_reused_cleanly(hf_model: Any, checkpoint:
     second = cm.new_sequence()
     out = cm.feed({second: tokens(9, 8)})  # must not see the first sequence's state
     assert_exact(hf_model, cm, second, out[second])
+    cm.cache.check_integrity()
+
+
+def test_a_default_cache_too_big_for_the_machine_is_shrunk_and_stays_exact(
+    hf_model: Any, checkpoint: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = CacheConfig(snapshot_interval=4, max_model_len=96, block_size=4, max_sequences=8)
+    spec = cache_spec(read_checkpoint(checkpoint)[0], torch.float32)
+    full = PoolSizes.plan(spec, config)
+    room = full.state_bytes + (full.kv_bytes + full.snapshot_bytes) // 5  # the live slots keep their size
+    weights = weights_nbytes(checkpoint, torch.float32)
+    monkeypatch.setattr("hybridkv.models.weights.available_memory", lambda: int((2 * room + weights) / 0.9) + 16)
+    with caplog.at_level("WARNING", logger="hybridkv"):
+        cm = CachedModel.load(checkpoint, cache=config)
+    sizes = cm.cache.sizes
+    assert cache_room(weights) >= room and 0.8 * room <= sizes.total_bytes <= room
+    assert sizes.num_slots == full.num_slots and sizes.num_blocks < full.num_blocks
+    assert 0 < sizes.num_snapshots < 2 * config.snapshots_per_sequence  # two sequences' rings overflow it
+    assert "sized to" in caplog.text and "--cache-memory sets its size" in caplog.text
+    a, b = cm.new_sequence(), cm.new_sequence()  # more snapshots than the pool holds: evictions
+    ta, tb = tokens(60, 11), tokens(50, 12)
+    for i in range(0, 60, 6):  # a snapshot every 4 tokens, kept by the rings until the pool is full
+        out = cm.feed({seq: ids[i : i + 6] for seq, ids in ((a, ta), (b, tb)) if ids[i:]})
+    assert_exact(hf_model, cm, a, out[a])
+    child = cm.fork(a, length=41)
+    assert_exact(hf_model, cm, child, cm.feed({child: [3, 4]})[child])
+    cm.truncate(b, 33)
+    assert_exact(hf_model, cm, b, cm.feed({b: [7]})[b])
+    assert cm.cache.snapshots.evictions > 0
     cm.cache.check_integrity()
 
 

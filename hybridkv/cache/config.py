@@ -3,6 +3,7 @@ that follow from both (`PoolSizes`), computed before anything is allocated."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -155,3 +156,28 @@ class PoolSizes:
             num_verify_rows=config.verify_rows if spec.has_state else 0,
             verify_bytes=config.verify_rows * slot_bytes,
         )
+
+
+def fit_pools(spec: CacheSpec, config: CacheConfig, room: int) -> tuple[CacheConfig, float]:
+    """`config` with its default-sized KV and snapshot pools (budget None) scaled down by one
+    factor until the plan takes at most `room` bytes, and that factor (1.0: it fits as it is, or
+    every pool has a budget). The state slots and verify rows keep their size; the KV pool keeps
+    at least one `max_model_len` sequence, so a room too small for that leaves a plan over it
+    (the memory check then refuses it). Scaled together, the cache holds fewer sequences' worth
+    of tokens, each with its full ring of snapshots; the engine preempts and the snapshot pool
+    evicts as they do with any budget."""
+    sizes = PoolSizes.plan(spec, config)
+    scalable = (sizes.kv_bytes if config.kv_bytes is None else 0) + (
+        sizes.snapshot_bytes if config.snapshot_bytes is None else 0
+    )
+    if sizes.total_bytes <= room or scalable == 0:
+        return config, 1.0
+    factor = max(0.0, (room - (sizes.total_bytes - scalable)) / scalable)
+    budgets: dict[str, int] = {}
+    block_bytes = spec.kv_bytes_per_token * config.block_size
+    if config.kv_bytes is None and block_bytes:
+        least = math.ceil(config.max_model_len / config.block_size) * block_bytes
+        budgets["kv_bytes"] = max(least, int(sizes.kv_bytes * factor) // block_bytes * block_bytes)
+    if config.snapshot_bytes is None:
+        budgets["snapshot_bytes"] = int(sizes.snapshot_bytes * factor)
+    return dataclasses.replace(config, **budgets), factor

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,11 +20,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from hybridkv.errors import NotSupported
+from hybridkv.ops.pages import available_memory
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
 MEMORY_HEADROOM = 0.9  # use at most this share of available memory
+CACHE_SHARE = 0.5  # a cache sized by default takes at most this share of what the weights leave
 
 _FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 _MAX_LISTED = 5
@@ -237,18 +238,6 @@ class LoadProgress:
             sys.stderr.write("\n")
 
 
-def available_memory() -> int:
-    """Bytes of memory available to a new allocation: MemAvailable, else free physical pages."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 def check_memory_fit(weight_bytes: int, cache_bytes: int, available: int | None = None) -> None:
     """Raise `InsufficientMemory` when weights + cache exceed 90% of available memory."""
     available = available_memory() if available is None else available
@@ -261,6 +250,13 @@ def check_memory_fit(weight_bytes: int, cache_bytes: int, available: int | None 
             f"({format_bytes(limit)} of {format_bytes(available)})",
             "use a smaller cache budget, bfloat16 weights, or a machine with more memory",
         )
+
+
+def cache_room(weight_bytes: int, available: int | None = None) -> int:
+    """The most a cache sized by default may take (`fit_pools`): `CACHE_SHARE` of what
+    `check_memory_fit`'s limit leaves beside the weights, so the machine keeps room for the rest."""
+    available = available_memory() if available is None else available
+    return max(0, int(CACHE_SHARE * (int(MEMORY_HEADROOM * available) - weight_bytes)))
 
 
 def format_bytes(n: int) -> str:

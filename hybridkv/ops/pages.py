@@ -45,13 +45,13 @@ def available() -> bool:
         return False
 
 
-def _available_memory() -> int:
-    """Bytes the kernel says it can still give (`MemAvailable`); unknown reads as plenty."""
+def available_memory() -> int:
+    """Bytes of memory available to a new allocation: MemAvailable, else free physical pages."""
     with contextlib.suppress(OSError, ValueError, IndexError):
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
-    return 1 << 62
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _huge_bytes(nbytes: int) -> torch.Tensor:
@@ -97,7 +97,7 @@ def move(tensors: Iterable[torch.Tensor]) -> int:
     with torch.no_grad():
         for group in groups.values():
             old = group[0].untyped_storage()
-            if old.nbytes() + SPARE > _available_memory():
+            if old.nbytes() + SPARE > available_memory():
                 continue  # the copy and the original would not fit together: it stays as it is
             try:
                 copy = _huge_bytes(old.nbytes())

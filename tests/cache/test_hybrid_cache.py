@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridkv.cache.config import CacheConfig, CacheSpec, PoolSizes
+from hybridkv.cache.config import CacheConfig, CacheSpec, PoolSizes, fit_pools
 from hybridkv.cache.hybrid import HybridCache
 from hybridkv.errors import CacheFull, IntegrityError
 
@@ -48,6 +48,27 @@ def test_budget_that_cannot_hold_one_sequence_is_refused_up_front() -> None:
         PoolSizes.plan(SPEC, CacheConfig(state_bytes=1))
     sizes = PoolSizes.plan(SPEC, CacheConfig(kv_bytes=4 * per_block, max_model_len=16, block_size=4))
     assert sizes.num_blocks == 4
+
+
+def test_default_sized_pools_shrink_together_to_fit_the_room() -> None:
+    config = CacheConfig(max_sequences=4, max_model_len=16, block_size=4, snapshots_per_sequence=4)
+    full = PoolSizes.plan(SPEC, config)  # KV 16 blocks of 64 B, 4 slots and 16 snapshots of 40 B
+    assert (full.kv_bytes, full.state_bytes, full.snapshot_bytes) == (1024, 160, 640)
+    assert fit_pools(SPEC, config, full.total_bytes) == (config, 1.0)  # fits: untouched
+    fitted, factor = fit_pools(SPEC, config, 1000)
+    sizes = PoolSizes.plan(SPEC, fitted)
+    assert factor == pytest.approx((1000 - 160) / (1024 + 640))
+    assert sizes.total_bytes <= 1000 and sizes.num_slots == 4  # the live slots keep their size
+    assert (sizes.num_blocks, sizes.num_snapshots) == (8, 8)  # both about halved, whole blocks
+    assert (fitted.max_sequences, fitted.max_model_len) == (4, 16)
+    tiny, _ = fit_pools(SPEC, config, 100)  # not even one sequence fits: the least plan, over the room
+    least = PoolSizes.plan(SPEC, tiny)
+    assert (least.num_blocks, least.num_snapshots) == (4, 0) and least.total_bytes > 100
+    explicit = CacheConfig(max_sequences=4, max_model_len=16, block_size=4, snapshots_per_sequence=4, kv_bytes=1024)
+    kept, _ = fit_pools(SPEC, explicit, 1000)  # a budget given is never changed: only snapshots shrink
+    assert kept.kv_bytes == 1024 and PoolSizes.plan(SPEC, kept).num_snapshots == 0
+    given = CacheConfig(kv_bytes=1024, snapshot_bytes=640, max_model_len=16, block_size=4)
+    assert fit_pools(SPEC, given, 10) == (given, 1.0)
 
 
 def test_blocks_and_slots_are_allocated_as_tokens_arrive() -> None:

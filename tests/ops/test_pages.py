@@ -68,7 +68,7 @@ def test_turned_off_moves_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_storage_that_would_not_fit_twice_stays(huge_pages: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pages, "_available_memory", lambda: pages.SPARE + HUGE)
+    monkeypatch.setattr(pages, "available_memory", lambda: pages.SPARE + HUGE)
     big = torch.randn(1024, 1024)
     address = big.data_ptr()
     assert pages.move([big]) == 0 and big.data_ptr() == address
