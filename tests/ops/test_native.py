@@ -287,18 +287,34 @@ def test_silu_mul_equals_the_pytorch_twin(T: int, I: int) -> None:  # noqa: E741
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("H", "Hkv", "hd", "rd"), [(4, 2, 16, 8), (8, 2, 64, 64), (2, 2, 24, 12)])
 @pytest.mark.parametrize(
-    ("kv_lens", "threads"),
-    # 1: the token attends only to itself. Split over positions for the threads (at least 64
-    # each): one token over 150 positions in 3 splits of 50; with 4 threads and 3 tokens, 150 in
-    # 3 and 70 in 2.
-    [([1, 6, 37, 70], 2), ([150], 2), ([150], 8), ([3, 150, 70], 4)],
-    ids=["4 tokens", "1 token 2 threads", "1 token 8 threads", "3 tokens 4 threads"],
-)
+    ("seqs", "threads"),
+    # (kv length after the step, tokens fed) per sequence. 1: the token attends only to itself.
+    # Split over positions for the threads (at least 64 each): one token over 150 positions in 3
+    # splits of 50; with 4 threads and 3 tokens, 150 in 3 and 70 in 2. Several tokens of one
+    # sequence (a verify, a short chunk) are read as one group: 9 tokens over 150 positions, the
+    # last splits holding positions only the later tokens see; a group beside single tokens; two
+    # sequences whose lengths are one apart over other blocks (not a group).
+    [
+        ([(1, 1), (6, 1), (37, 1), (70, 1)], 2),
+        ([(150, 1)], 2),
+        ([(150, 1)], 8),
+        ([(3, 1), (150, 1), (70, 1)], 4),
+        ([(9, 9)], 2),
+        ([(150, 9)], 2),
+        ([(150, 9)], 8),
+        ([(6, 1), (70, 5), (37, 1), (131, 3)], 4),
+        ([(20, 1), (21, 1)], 2),
+    ],
+    ids=[
+        "4 tokens", "1 token 2 threads", "1 token 8 threads", "3 tokens 4 threads", "a 9-token chunk",
+        "9-token verify 2 threads", "9-token verify 8 threads", "groups and single tokens", "lengths one apart",
+    ],
+)  # fmt: skip
 def test_attention_decode_equals_pytorch_step(
-    H: int, Hkv: int, hd: int, rd: int, pool_dtype: torch.dtype, kv_lens: list[int], threads: int
+    H: int, Hkv: int, hd: int, rd: int, pool_dtype: torch.dtype, seqs: list[tuple[int, int]], threads: int
 ) -> None:
-    bs, num_blocks = 4, 100
-    T = len(kv_lens)
+    bs, num_blocks = 4, 200
+    T = sum(q for _, q in seqs)
     gen = torch.Generator().manual_seed(H * hd)
     qkv = torch.randn(T, (2 * H + 2 * Hkv) * hd, generator=gen)
     q_norm, k_norm = torch.rand(hd, generator=gen) + 0.5, torch.rand(hd, generator=gen) + 0.5
@@ -308,13 +324,15 @@ def test_attention_decode_equals_pytorch_step(
     v_pool = torch.randn(num_blocks, bs, Hkv, hd, generator=gen).to(pool_dtype)
     # Each sequence's blocks scattered over the pool; entries past its last block are never read.
     blocks = torch.randperm(num_blocks, generator=gen).tolist()
-    block_tables = torch.zeros(T, 40, dtype=torch.int64)
-    for n, L in enumerate(kv_lens):
+    block_tables = torch.zeros(len(seqs), 40, dtype=torch.int64)
+    for n, (L, _) in enumerate(seqs):
         mine, blocks = blocks[: -(-L // bs)], blocks[-(-L // bs) :]
         block_tables[n, : len(mine)] = torch.tensor(mine)
-    slot_mapping = torch.tensor([block_tables[n, (L - 1) // bs] * bs + (L - 1) % bs for n, L in enumerate(kv_lens)])
-    lens = torch.tensor(kv_lens)
-
+    owner = torch.tensor([n for n, (_, q) in enumerate(seqs) for _ in range(q)])
+    lens = torch.tensor([L - q + 1 + j for L, q in seqs for j in range(q)])  # each token's kv length
+    slot_mapping = torch.tensor(
+        [block_tables[n, (L - 1) // bs] * bs + (L - 1) % bs for n, L in zip(owner.tolist(), lens.tolist(), strict=True)]
+    )
     # The PyTorch path: norms, RoPE, store, paged attention, gate.
     q, gate, k, v = qkv.split([H * hd, H * hd, Hkv * hd, Hkv * hd], dim=-1)
     q = _rope(F.rms_norm(q.reshape(T, H, hd), (hd,), q_norm, 1e-6), cos, sin)
@@ -322,15 +340,15 @@ def test_attention_decode_equals_pytorch_step(
     want_k, want_v = k_pool.clone(), v_pool.clone()
     want_k.view(-1, Hkv, hd)[slot_mapping] = k.to(pool_dtype)
     want_v.view(-1, Hkv, hd)[slot_mapping] = v.reshape(T, Hkv, hd).to(pool_dtype)
-    cu = torch.arange(T + 1)
-    o = paged_attention(q, want_k, want_v, block_tables, cu, lens, hd**-0.5)
+    cu = torch.tensor([0, *torch.tensor([q for _, q in seqs]).cumsum(0).tolist()])
+    o = paged_attention(q, want_k, want_v, block_tables, cu, torch.tensor([L for L, _ in seqs]), hd**-0.5)
     want = o.reshape(T, H * hd) * torch.sigmoid(gate)
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         got = native.attention_decode(
-            qkv, q_norm, k_norm, 1e-6, cos, sin, (k_pool, v_pool), slot_mapping, block_tables, lens, hd**-0.5, H
+            qkv, q_norm, k_norm, 1e-6, cos, sin, (k_pool, v_pool), slot_mapping, block_tables[owner], lens, hd**-0.5, H
         )
     finally:
         torch.set_num_threads(before)

@@ -1135,13 +1135,67 @@ inline void norm_rope(float* x, const float* w, float eps, const float* cos, con
   }
 }
 
+// Attention's inner products as small register tiles. Query rows (a query head of a token) and
+// positions meet RT x PT at a time: each key vector loaded once serves RT rows, each query vector
+// PT positions, and the sums stay in registers (one dot product at a time was bound by its loads
+// and its horizontal sum). Values likewise: RT rows' sums of VD vectors held in registers over
+// a run of positions, each value vector loaded once for the RT rows (the sums kept in memory were
+// bound by the stores).
+#if HYBRIDKV_LANES == 16
+constexpr int ATT_RT = 4, ATT_PT = 4, ATT_VD = 4;
+#else
+constexpr int ATT_RT = 2, ATT_PT = 4, ATT_VD = 2;
+#endif
+constexpr int64_t ATT_RUN = 64;  // positions per run: a run's rows stay in L1/L2 across the tiles
+
+// res[a][b] = q[a] . k[b] over hd, for a < RT (ATT_RT, or 2 for the last rows).
+template <int RT, typename KV>
+__attribute__((noinline)) void dots_tile(const float* const* q, const KV* const* k, int64_t hd, float (*res)[ATT_PT]) {
+  vf acc[RT][ATT_PT] = {};
+  int64_t d = 0;
+  for (; d + LANES <= hd; d += LANES) {
+    vf kv[ATT_PT];
+    for (int b = 0; b < ATT_PT; ++b) kv[b] = load(k[b] + d);
+    for (int a = 0; a < RT; ++a) {
+      vf qv = load(q[a] + d);
+      __asm__("" : "+v"(qv));  // one load held in a register (GCC would fold it into each multiply-add)
+      for (int b = 0; b < ATT_PT; ++b) acc[a][b] += qv * kv[b];
+    }
+  }
+  for (int a = 0; a < RT; ++a)
+    for (int b = 0; b < ATT_PT; ++b) {
+      float sum = hsum(acc[a][b]);
+      for (int64_t i = d; i < hd; ++i) sum += q[a][i] * scalar(k[b][i]);
+      res[a][b] = sum;
+    }
+}
+
+// acc[a][d : d + V * LANES] += sum over p < np of w[a][p] * rows[p][d : ...].
+template <int RT, int V, typename KV>
+__attribute__((noinline)) void weigh_tile(const float* const* w, const KV* const* rows, int64_t np, int64_t d, float* const* acc) {
+  vf sums[RT][V];
+  for (int a = 0; a < RT; ++a)
+    for (int v = 0; v < V; ++v) sums[a][v] = load(acc[a] + d + v * LANES);
+  for (int64_t p = 0; p < np; ++p) {
+    vf x[V];
+    for (int v = 0; v < V; ++v) x[v] = load(rows[p] + d + v * LANES);
+    for (int a = 0; a < RT; ++a) {
+      const float wt = w[a][p];
+      for (int v = 0; v < V; ++v) sums[a][v] += wt * x[v];
+    }
+  }
+  for (int a = 0; a < RT; ++a)
+    for (int v = 0; v < V; ++v) store(acc[a] + d + v * LANES, sums[a][v]);
+}
+
 constexpr int64_t KV_AHEAD = 8;  // positions a decode step's key and value rows are fetched ahead
 constexpr int64_t SPLIT_MIN = 64;  // fewest positions a decode step's attention splits off for a thread
 
-// One decode step of gated attention after qkv_proj, token n being sequence n:
-// q/k RMSNorm + RoPE, this token's K/V written into the paged pools at slot_mapping[n], attention
-// of its H query heads over the sequence's kv_lens[n] positions read in place through its block
-// table (no gather), output gated by sigmoid(gate).
+// One decode step of gated attention after qkv_proj for each token n: q/k RMSNorm + RoPE, its K/V
+// written into the paged pools at slot_mapping[n], attention of its H query heads over the
+// kv_lens[n] positions of its block table row, read in place (no gather), output gated by
+// sigmoid(gate). Every token's K/V is written before any attends, so the tokens of a verify or a
+// short chunk (kv lengths one apart over one table) see each other causally; they are read as one.
 //   qkv [T, (2H + 2Hkv) * hd] = q | gate | k | v;  cos, sin [T, rd];  pools [blocks, bs, Hkv, hd].
 // Returns [T, H * hd] float32.
 template <typename KV>
@@ -1185,79 +1239,153 @@ at::Tensor attention_decode_impl(const at::Tensor& qkv, const at::Tensor& q_norm
       }
     }
   });
-  // Phase 2, split over positions (flash decoding): item (token n, split s) reads its positions
-  // of every KV head front to back (a position's Hkv rows lie together, so a thread streams whole
-  // blocks), keeping per query head the scores' max, the sum of their exps and the unnormalised
-  // weighted values; the splits are merged after. Each split's rows are fetched KV_AHEAD positions
+  // Tokens that continue one another in one sequence (a verify, a short chunk: kv lengths one
+  // apart, read through the same blocks as the group's first token) form a group, whose
+  // positions are read once for all its tokens.
+  std::vector<int64_t> gstart{0}, group_of(T, 0);
+  for (int64_t n = 1; n < T; ++n) {
+    const int64_t* a = table + gstart.back() * max_blocks;
+    const bool next = lens[n] == lens[n - 1] + 1 &&
+                      std::equal(a, a + (lens[n] + bs - 1) / bs, table + n * max_blocks);
+    if (!next) gstart.push_back(n);
+    group_of[n] = static_cast<int64_t>(gstart.size()) - 1;
+  }
+  gstart.push_back(T);
+  const int64_t G = static_cast<int64_t>(gstart.size()) - 1;
+  // Phase 2, split over positions (flash decoding): item (group, split s) reads its positions of
+  // every KV head front to back (a position's Hkv rows lie together, so a thread streams whole
+  // blocks), keeping per token and query head the scores' max, the sum of their exps and the
+  // unnormalised weighted values; the splits are merged after. Token j of a group sees the
+  // group's positions below its own kv length. Each split's rows are fetched KV_AHEAD positions
   // on: they were evicted by the layers' weights since the last step.
   const int64_t threads = at::get_num_threads();
-  std::vector<int64_t> first(T + 1, 0), chunk(T);
-  for (int64_t n = 0; n < T; ++n) {
-    const int64_t wanted = std::max<int64_t>(1, (2 * threads + T - 1) / T);  // items enough for the threads
-    const int64_t splits = std::min(wanted, (lens[n] + SPLIT_MIN - 1) / SPLIT_MIN);
-    chunk[n] = (lens[n] + splits - 1) / splits;
-    first[n + 1] = first[n] + (lens[n] + chunk[n] - 1) / chunk[n];
+  std::vector<int64_t> first(G + 1, 0), chunk(G), base{0};  // base: an item's first partial (token, head)
+  for (int64_t gi = 0; gi < G; ++gi) {
+    const int64_t len = lens[gstart[gi + 1] - 1], m = gstart[gi + 1] - gstart[gi];
+    const int64_t wanted = std::max<int64_t>(1, (2 * threads + G - 1) / G);  // items enough for the threads
+    const int64_t splits = std::min(wanted, (len + SPLIT_MIN - 1) / SPLIT_MIN);
+    chunk[gi] = (len + splits - 1) / splits;
+    first[gi + 1] = first[gi] + (len + chunk[gi] - 1) / chunk[gi];
+    for (int64_t item = first[gi]; item < first[gi + 1]; ++item) base.push_back(base.back() + m * H);
   }
-  const int64_t items = first[T];
-  std::vector<float> part_max(items * H), part_sum(items * H), part_acc(items * H * hd);
+  const int64_t items = first[G];
+  std::vector<float> part_max(base[items]), part_sum(base[items]), part_acc(base[items] * hd);
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, kv(hd);
+    std::vector<float> scores, spare(hd);  // spare: where padding rows of a tile sum to
+    std::vector<const float*> q_of, w_of;
+    std::vector<float*> acc_of;
+    std::vector<const KV*> rows(ATT_RUN);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t n = std::upper_bound(first.begin(), first.end(), item) - first.begin() - 1;
-      const int64_t p0 = (item - first[n]) * chunk[n], p1 = std::min(lens[n], p0 + chunk[n]), S = p1 - p0;
-      const int64_t* blocks = table + n * max_blocks;
-      const float* qn = qp + n * H * hd;
-      scores.resize(H * S);
-      // Head g's row at position p as float32: in place, or widened into `kv` (bfloat16).
-      auto row = [&](const KV* pool, int64_t p, int64_t g) -> const float* {
-        const KV* r = pool + ((blocks[p / bs] * bs + p % bs) * Hkv + g) * hd;
-        if constexpr (std::is_same_v<KV, float>) {
-          return r;
-        } else {
-          to_float(r, kv.data(), hd);
-          return kv.data();
-        }
+      const int64_t gi = std::upper_bound(first.begin(), first.end(), item) - first.begin() - 1;
+      const int64_t n0 = gstart[gi], m = gstart[gi + 1] - n0, len0 = lens[n0];
+      const int64_t p0 = (item - first[gi]) * chunk[gi], p1 = std::min(lens[n0 + m - 1], p0 + chunk[gi]);
+      const int64_t S = p1 - p0, R = m * group;  // R: query rows per KV head
+      const int64_t R_pad = R + ATT_RT;  // room for a last tile's padding rows
+      // Rows go ATT_RT at a time, the last one or two as a tile of 2 (no work on padding rows
+      // when a KV head has 2 query heads, as in the default model).
+      auto tile_rows = [&](int64_t r) { return R - r >= ATT_RT ? ATT_RT : 2; };
+      const int64_t* blocks = table + n0 * max_blocks;
+      auto at_row = [&](const KV* pool, int64_t p, int64_t g) {
+        return pool + ((blocks[p / bs] * bs + p % bs) * Hkv + g) * hd;
       };
       auto fetch = [&](const KV* pool, int64_t p) {
         if (p >= p1) return;
-        const char* at = reinterpret_cast<const char*>(pool + (blocks[p / bs] * bs + p % bs) * Hkv * hd);
+        const char* at = reinterpret_cast<const char*>(at_row(pool, p, 0));
         for (int64_t b = 0; b < Hkv * hd * static_cast<int64_t>(sizeof(KV)); b += 64) __builtin_prefetch(at + b);
       };
-      // f(query head h, position p, its KV head's row of `pool`) over the split, position by position.
-      auto each_row = [&](const KV* pool, auto&& f) {
-        for (int64_t p = p0; p < p1; ++p) {
-          fetch(pool, p + KV_AHEAD);
-          for (int64_t g = 0; g < Hkv; ++g) {
-            const float* r = row(pool, p, g);
-            for (int64_t h = g * group; h < (g + 1) * group; ++h) f(h, p, r);
+      // Row r of KV head g is token j = r / group's query head g * group + r % group; its scores
+      // are scores[(j * H + h) * S + p - p0]. Padding rows repeat the last row.
+      auto score_at = [&](int64_t r, int64_t g) {
+        r = std::min(r, R - 1);
+        return (r / group * H + g * group + r % group) * S;
+      };
+      scores.resize(m * H * S);
+      q_of.resize(R_pad);
+      // Scores: a run of positions at a time, each KV head's rows of it against its query rows.
+      for (int64_t pr = p0; pr < p1; pr += ATT_RUN) {
+        const int64_t pe = std::min(p1, pr + ATT_RUN);
+        for (int64_t p = pr; p < pe; ++p) fetch(kp, p + KV_AHEAD);
+        for (int64_t g = 0; g < Hkv; ++g) {
+          for (int64_t r = 0; r < R_pad; ++r) {
+            const int64_t rr = std::min(r, R - 1);
+            q_of[r] = qp + ((n0 + rr / group) * H + g * group + rr % group) * hd;
+          }
+          for (int64_t p = pr; p < pe; p += ATT_PT) {
+            const KV* k[ATT_PT];
+            for (int b = 0; b < ATT_PT; ++b) k[b] = at_row(kp, std::min(p + b, pe - 1), g);
+            for (int64_t r = 0, rt; r < R; r += rt) {
+              float res[ATT_RT][ATT_PT];
+              rt = tile_rows(r);
+              if (rt == ATT_RT)
+                dots_tile<ATT_RT>(q_of.data() + r, k, hd, res);
+              else
+                dots_tile<2>(q_of.data() + r, k, hd, res);
+              for (int a = 0; a < rt && r + a < R; ++a)
+                for (int b = 0; b < ATT_PT && p + b < pe; ++b) scores[score_at(r + a, g) + p + b - p0] = sc * res[a][b];
+            }
           }
         }
-      };
-      each_row(kp, [&](int64_t h, int64_t p, const float* k) { scores[h * S + p - p0] = sc * dot(qn + h * hd, k, hd); });
-      for (int64_t h = 0; h < H; ++h) {
-        float* s = scores.data() + h * S;
-        float mx = s[0];
-        for (int64_t p = 1; p < S; ++p) mx = std::max(mx, s[p]);
-        int64_t p = 0;
-        vf sums = {};
-        for (; p + LANES <= S; p += LANES) {
-          const vf e = vexp(load(s + p) - mx);
-          store(s + p, e);
-          sums += e;
-        }
-        float sum = hsum(sums);
-        for (; p < S; ++p) sum += (s[p] = std::exp(s[p] - mx));
-        part_max[item * H + h] = mx;
-        part_sum[item * H + h] = sum;
       }
-      float* acc = part_acc.data() + item * H * hd;
-      std::fill(acc, acc + H * hd, 0.f);
-      each_row(vp, [&](int64_t h, int64_t p, const float* v) {
-        const float w = scores[h * S + p - p0];
-        float* a = acc + h * hd;
-        for (int64_t i = 0; i < hd; ++i) a[i] += w * v[i];
-      });
+      // Softmax parts per token and query head over the positions the token sees (the rest
+      // weigh 0 below).
+      for (int64_t j = 0; j < m; ++j) {
+        const int64_t Sj = std::clamp<int64_t>(len0 + j - p0, 0, S);  // positions token j sees here
+        for (int64_t h = 0; h < H; ++h) {
+          const int64_t u = base[item] + j * H + h;
+          float* s = scores.data() + (j * H + h) * S;
+          std::fill(s + Sj, s + S, 0.f);
+          if (Sj == 0) {
+            part_max[u] = -std::numeric_limits<float>::infinity();
+            part_sum[u] = 0.f;
+            continue;
+          }
+          float mx = s[0];
+          for (int64_t p = 1; p < Sj; ++p) mx = std::max(mx, s[p]);
+          int64_t p = 0;
+          vf sums = {};
+          for (; p + LANES <= Sj; p += LANES) {
+            const vf e = vexp(load(s + p) - mx);
+            store(s + p, e);
+            sums += e;
+          }
+          float sum = hsum(sums);
+          for (; p < Sj; ++p) sum += (s[p] = std::exp(s[p] - mx));
+          part_max[u] = mx;
+          part_sum[u] = sum;
+        }
+      }
+      // Weighted values: per run, KV head and tile of rows, the rows' sums in registers.
+      float* acc = part_acc.data() + base[item] * hd;
+      std::fill(acc, acc + m * H * hd, 0.f);
+      w_of.resize(R_pad);
+      acc_of.resize(R_pad);
+      for (int64_t pr = p0; pr < p1; pr += ATT_RUN) {
+        const int64_t pe = std::min(p1, pr + ATT_RUN), np = pe - pr;
+        for (int64_t p = pr; p < pe; ++p) fetch(vp, p + KV_AHEAD);
+        for (int64_t g = 0; g < Hkv; ++g) {
+          for (int64_t p = pr; p < pe; ++p) rows[p - pr] = at_row(vp, p, g);
+          for (int64_t r = 0; r < R_pad; ++r) {
+            w_of[r] = scores.data() + score_at(r, g) + pr - p0;
+            acc_of[r] = r < R ? acc + score_at(r, g) / S * hd : spare.data();
+          }
+          for (int64_t r = 0, rt; r < R; r += rt) {
+            rt = tile_rows(r);
+            auto weigh = [&](auto tile) {
+              int64_t d = 0;
+              for (; d + ATT_VD * LANES <= hd; d += ATT_VD * LANES)
+                weigh_tile<decltype(tile)::value, ATT_VD>(w_of.data() + r, rows.data(), np, d, acc_of.data() + r);
+              for (; d + LANES <= hd; d += LANES)
+                weigh_tile<decltype(tile)::value, 1>(w_of.data() + r, rows.data(), np, d, acc_of.data() + r);
+              return d;
+            };
+            const int64_t d = rt == ATT_RT ? weigh(std::integral_constant<int, ATT_RT>{}) : weigh(std::integral_constant<int, 2>{});
+            for (int a = 0; a < rt && r + a < R; ++a)
+              for (int64_t p = 0; p < np; ++p)
+                for (int64_t i = d; i < hd; ++i) acc_of[r + a][i] += w_of[r + a][p] * scalar(rows[p][i]);
+          }
+        }
+      }
     }
   });
   // Merge each head's splits (rescaled to the largest max), normalise, gate by sigmoid(gate); a
@@ -1267,14 +1395,14 @@ at::Tensor attention_decode_impl(const at::Tensor& qkv, const at::Tensor& q_norm
   at::parallel_for(0, T * H, 32, [&](int64_t begin, int64_t end) {
     std::vector<float> o(hd);
     for (int64_t u = begin; u < end; ++u) {
-      const int64_t n = u / H, h = u % H;
+      const int64_t n = u / H, h = u % H, gi = group_of[n], at = (n - gstart[gi]) * H + h;
       float mx = -std::numeric_limits<float>::infinity(), sum = 0.f;
-      for (int64_t item = first[n]; item < first[n + 1]; ++item) mx = std::max(mx, part_max[item * H + h]);
+      for (int64_t item = first[gi]; item < first[gi + 1]; ++item) mx = std::max(mx, part_max[base[item] + at]);
       std::fill(o.begin(), o.end(), 0.f);
-      for (int64_t item = first[n]; item < first[n + 1]; ++item) {
-        const float f = std::exp(part_max[item * H + h] - mx);
-        sum += f * part_sum[item * H + h];
-        const float* a = part_acc.data() + (item * H + h) * hd;
+      for (int64_t item = first[gi]; item < first[gi + 1]; ++item) {
+        const float f = std::exp(part_max[base[item] + at] - mx);
+        sum += f * part_sum[base[item] + at];
+        const float* a = part_acc.data() + (base[item] + at) * hd;
         for (int64_t i = 0; i < hd; ++i) o[i] += f * a[i];
       }
       const float* gate = in + n * width + H * hd + h * hd;
