@@ -1146,28 +1146,33 @@ constexpr int ATT_RT = 4, ATT_PT = 4, ATT_VD = 4;
 #else
 constexpr int ATT_RT = 2, ATT_PT = 4, ATT_VD = 2;
 #endif
-constexpr int64_t ATT_RUN = 64;  // positions per run: a run's rows stay in L1/L2 across the tiles
+constexpr int64_t ATT_RUN = 64;  // positions per run of the values: its rows stay in L2 across the tiles
 
 // res[a][b] = q[a] . k[b] over hd, for a < RT (ATT_RT, or 2 for the last rows).
 template <int RT, typename KV>
 __attribute__((noinline)) void dots_tile(const float* const* q, const KV* const* k, int64_t hd, float (*res)[ATT_PT]) {
-  vf acc[RT][ATT_PT] = {};
+  vf acc[RT][ATT_PT];
+  for (int a = 0; a < RT; ++a)
+    for (int b = 0; b < ATT_PT; ++b) acc[a][b] = vf{};
   int64_t d = 0;
   for (; d + LANES <= hd; d += LANES) {
     vf kv[ATT_PT];
-    for (int b = 0; b < ATT_PT; ++b) kv[b] = load(k[b] + d);
+    for (int b = 0; b < ATT_PT; ++b) {
+      kv[b] = load(k[b] + d);
+      __asm__("" : "+v"(kv[b]));  // loaded once into a register (GCC would fold a load into each use)
+    }
     for (int a = 0; a < RT; ++a) {
       vf qv = load(q[a] + d);
-      __asm__("" : "+v"(qv));  // one load held in a register (GCC would fold it into each multiply-add)
+      __asm__("" : "+v"(qv));
       for (int b = 0; b < ATT_PT; ++b) acc[a][b] += qv * kv[b];
     }
   }
   for (int a = 0; a < RT; ++a)
-    for (int b = 0; b < ATT_PT; ++b) {
-      float sum = hsum(acc[a][b]);
-      for (int64_t i = d; i < hd; ++i) sum += q[a][i] * scalar(k[b][i]);
-      res[a][b] = sum;
-    }
+    for (int b = 0; b < ATT_PT; ++b) res[a][b] = hsum(acc[a][b]);
+  if (d < hd)  // apart, so the sums above stay in registers
+    for (int a = 0; a < RT; ++a)
+      for (int b = 0; b < ATT_PT; ++b)
+        for (int64_t i = d; i < hd; ++i) res[a][b] += q[a][i] * scalar(k[b][i]);
 }
 
 // acc[a][d : d + V * LANES] += sum over p < np of w[a][p] * rows[p][d : ...].
@@ -1272,7 +1277,7 @@ at::Tensor attention_decode_impl(const at::Tensor& qkv, const at::Tensor& q_norm
   std::vector<float> part_max(base[items]), part_sum(base[items]), part_acc(base[items] * hd);
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, spare(hd);  // spare: where padding rows of a tile sum to
+    std::vector<float> scores, spare(hd), widened(hd);  // spare: where padding rows of a tile sum to
     std::vector<const float*> q_of, w_of;
     std::vector<float*> acc_of;
     std::vector<const KV*> rows(ATT_RUN);
@@ -1289,10 +1294,12 @@ at::Tensor attention_decode_impl(const at::Tensor& qkv, const at::Tensor& q_norm
       auto at_row = [&](const KV* pool, int64_t p, int64_t g) {
         return pool + ((blocks[p / bs] * bs + p % bs) * Hkv + g) * hd;
       };
-      auto fetch = [&](const KV* pool, int64_t p) {
+      // Position p's rows of every KV head (they lie together), into L1 (hint 3) or L2 (hint 2).
+      auto fetch = [&](const KV* pool, int64_t p, auto hint) {
         if (p >= p1) return;
         const char* at = reinterpret_cast<const char*>(at_row(pool, p, 0));
-        for (int64_t b = 0; b < Hkv * hd * static_cast<int64_t>(sizeof(KV)); b += 64) __builtin_prefetch(at + b);
+        for (int64_t b = 0; b < Hkv * hd * static_cast<int64_t>(sizeof(KV)); b += 64)
+          __builtin_prefetch(at + b, 0, decltype(hint)::value);
       };
       // Row r of KV head g is token j = r / group's query head g * group + r % group; its scores
       // are scores[(j * H + h) * S + p - p0]. Padding rows repeat the last row.
@@ -1301,29 +1308,52 @@ at::Tensor attention_decode_impl(const at::Tensor& qkv, const at::Tensor& q_norm
         return (r / group * H + g * group + r % group) * S;
       };
       scores.resize(m * H * S);
-      q_of.resize(R_pad);
-      // Scores: a run of positions at a time, each KV head's rows of it against its query rows.
-      for (int64_t pr = p0; pr < p1; pr += ATT_RUN) {
-        const int64_t pe = std::min(p1, pr + ATT_RUN);
-        for (int64_t p = pr; p < pe; ++p) fetch(kp, p + KV_AHEAD);
-        for (int64_t g = 0; g < Hkv; ++g) {
-          for (int64_t r = 0; r < R_pad; ++r) {
-            const int64_t rr = std::min(r, R - 1);
-            q_of[r] = qp + ((n0 + rr / group) * H + g * group + rr % group) * hd;
-          }
-          for (int64_t p = pr; p < pe; p += ATT_PT) {
-            const KV* k[ATT_PT];
-            for (int b = 0; b < ATT_PT; ++b) k[b] = at_row(kp, std::min(p + b, pe - 1), g);
-            for (int64_t r = 0, rt; r < R; r += rt) {
-              float res[ATT_RT][ATT_PT];
-              rt = tile_rows(r);
-              if (rt == ATT_RT)
-                dots_tile<ATT_RT>(q_of.data() + r, k, hd, res);
-              else
-                dots_tile<2>(q_of.data() + r, k, hd, res);
-              for (int a = 0; a < rt && r + a < R; ++a)
-                for (int b = 0; b < ATT_PT && p + b < pe; ++b) scores[score_at(r + a, g) + p + b - p0] = sc * res[a][b];
+      q_of.resize(Hkv * R_pad);
+      for (int64_t g = 0; g < Hkv; ++g)
+        for (int64_t r = 0; r < R_pad; ++r) {
+          const int64_t rr = std::min(r, R - 1);
+          q_of[g * R_pad + r] = qp + ((n0 + rr / group) * H + g * group + rr % group) * hd;
+        }
+      // One token (a decode step): position by position, one dot product per query head, keys
+      // fetched KV_AHEAD positions on (the tiles below, from memory, were up to 15% slower here:
+      // a decode step's keys and values are evicted by the layers' weights since the last step).
+      if (m == 1) {
+        const float* qn = qp + n0 * H * hd;
+        for (int64_t p = p0; p < p1; ++p) {
+          fetch(kp, p + KV_AHEAD, std::integral_constant<int, 3>{});
+          for (int64_t g = 0; g < Hkv; ++g) {
+            const KV* k = at_row(kp, p, g);
+            const float* kf;
+            if constexpr (std::is_same_v<KV, float>) {
+              kf = k;
+            } else {
+              to_float(k, widened.data(), hd);
+              kf = widened.data();
             }
+            for (int64_t h = g * group; h < (g + 1) * group; ++h) scores[h * S + p - p0] = sc * dot(qn + h * hd, kf, hd);
+          }
+        }
+      }
+      // Several tokens: ATT_PT positions at a time in order, each KV head's rows of them against
+      // its query rows. Keys are fetched KV_AHEAD positions on into L1, values into L2 for the
+      // pass below.
+      for (int64_t p = p0; p < p1 && m > 1; p += ATT_PT) {
+        for (int b = 0; b < ATT_PT; ++b) {
+          fetch(kp, p + b + KV_AHEAD, std::integral_constant<int, 3>{});
+          fetch(vp, p + b + KV_AHEAD, std::integral_constant<int, 2>{});
+        }
+        for (int64_t g = 0; g < Hkv; ++g) {
+          const KV* k[ATT_PT];
+          for (int b = 0; b < ATT_PT; ++b) k[b] = at_row(kp, std::min(p + b, p1 - 1), g);
+          for (int64_t r = 0, rt; r < R; r += rt) {
+            float res[ATT_RT][ATT_PT];
+            rt = tile_rows(r);
+            if (rt == ATT_RT)
+              dots_tile<ATT_RT>(q_of.data() + g * R_pad + r, k, hd, res);
+            else
+              dots_tile<2>(q_of.data() + g * R_pad + r, k, hd, res);
+            for (int a = 0; a < rt && r + a < R; ++a)
+              for (int b = 0; b < ATT_PT && p + b < p1; ++b) scores[score_at(r + a, g) + p + b - p0] = sc * res[a][b];
           }
         }
       }
@@ -1355,14 +1385,35 @@ at::Tensor attention_decode_impl(const at::Tensor& qkv, const at::Tensor& q_norm
           part_sum[u] = sum;
         }
       }
-      // Weighted values: per run, KV head and tile of rows, the rows' sums in registers.
+      // Weighted values. One token: position by position as they stream in, the sums in L1.
+      // Several: per run, KV head and tile of rows, the rows' sums in registers.
       float* acc = part_acc.data() + base[item] * hd;
       std::fill(acc, acc + m * H * hd, 0.f);
+      if (m == 1) {
+        for (int64_t p = p0; p < p1; ++p) {
+          fetch(vp, p + KV_AHEAD, std::integral_constant<int, 3>{});
+          for (int64_t g = 0; g < Hkv; ++g) {
+            const KV* v = at_row(vp, p, g);
+            for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+              const float w = scores[h * S + p - p0];
+              float* a = acc + h * hd;
+              for (int64_t i = 0; i < hd; ++i) a[i] += w * scalar(v[i]);
+            }
+          }
+        }
+        continue;
+      }
       w_of.resize(R_pad);
       acc_of.resize(R_pad);
+      const int64_t tiles = (R + ATT_RT - 1) / ATT_RT, calls = Hkv * tiles;  // weigh calls a run
       for (int64_t pr = p0; pr < p1; pr += ATT_RUN) {
         const int64_t pe = std::min(p1, pr + ATT_RUN), np = pe - pr;
-        for (int64_t p = pr; p < pe; ++p) fetch(vp, p + KV_AHEAD);
+        // The next run's values into L2, a slice before each (head, rows) call of this one.
+        int64_t ahead = pe, call = 0;
+        auto fetch_next = [&] {
+          const int64_t until = pe + (++call * ATT_RUN + calls - 1) / calls;
+          for (; ahead < until; ++ahead) fetch(vp, ahead, std::integral_constant<int, 2>{});
+        };
         for (int64_t g = 0; g < Hkv; ++g) {
           for (int64_t p = pr; p < pe; ++p) rows[p - pr] = at_row(vp, p, g);
           for (int64_t r = 0; r < R_pad; ++r) {
@@ -1371,6 +1422,7 @@ at::Tensor attention_decode_impl(const at::Tensor& qkv, const at::Tensor& q_norm
           }
           for (int64_t r = 0, rt; r < R; r += rt) {
             rt = tile_rows(r);
+            fetch_next();
             auto weigh = [&](auto tile) {
               int64_t d = 0;
               for (; d + ATT_VD * LANES <= hd; d += ATT_VD * LANES)
