@@ -1308,15 +1308,9 @@ at::Tensor attention_decode_impl(const at::Tensor& qkv, const at::Tensor& q_norm
         return (r / group * H + g * group + r % group) * S;
       };
       scores.resize(m * H * S);
-      q_of.resize(Hkv * R_pad);
-      for (int64_t g = 0; g < Hkv; ++g)
-        for (int64_t r = 0; r < R_pad; ++r) {
-          const int64_t rr = std::min(r, R - 1);
-          q_of[g * R_pad + r] = qp + ((n0 + rr / group) * H + g * group + rr % group) * hd;
-        }
       // One token (a decode step): position by position, one dot product per query head, keys
-      // fetched KV_AHEAD positions on (the tiles below, from memory, were up to 15% slower here:
-      // a decode step's keys and values are evicted by the layers' weights since the last step).
+      // fetched KV_AHEAD positions on (the tiles below measured no faster here: a decode step's
+      // keys and values come from memory, evicted by the layers' weights since the last step).
       if (m == 1) {
         const float* qn = qp + n0 * H * hd;
         for (int64_t p = p0; p < p1; ++p) {
@@ -1333,11 +1327,18 @@ at::Tensor attention_decode_impl(const at::Tensor& qkv, const at::Tensor& q_norm
             for (int64_t h = g * group; h < (g + 1) * group; ++h) scores[h * S + p - p0] = sc * dot(qn + h * hd, kf, hd);
           }
         }
+      } else {
+        q_of.resize(Hkv * R_pad);
+        for (int64_t g = 0; g < Hkv; ++g)
+          for (int64_t r = 0; r < R_pad; ++r) {
+            const int64_t rr = std::min(r, R - 1);
+            q_of[g * R_pad + r] = qp + ((n0 + rr / group) * H + g * group + rr % group) * hd;
+          }
       }
       // Several tokens: ATT_PT positions at a time in order, each KV head's rows of them against
       // its query rows. Keys are fetched KV_AHEAD positions on into L1, values into L2 for the
       // pass below.
-      for (int64_t p = p0; p < p1 && m > 1; p += ATT_PT) {
+      for (int64_t p = p0; m > 1 && p < p1; p += ATT_PT) {
         for (int b = 0; b < ATT_PT; ++b) {
           fetch(kp, p + b + KV_AHEAD, std::integral_constant<int, 3>{});
           fetch(vp, p + b + KV_AHEAD, std::integral_constant<int, 2>{});
