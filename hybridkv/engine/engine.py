@@ -300,8 +300,9 @@ class Engine:
             room = self.cm.cache.config.max_model_len - self.cm.length(branch.seq) - 1
             if request.params.max_tokens is not None:
                 room = min(room, request.params.max_tokens - len(branch.completion.token_ids) - 1)
-            if min(k, room) > 0:
-                wanted[branch.seq], owner[branch.seq] = min(k, room), (request, branch)
+            k = min(k, room)
+            if k > 0:
+                wanted[branch.seq], owner[branch.seq] = k, (request, branch)
         # Lookups first (a few dict reads each): only the branches that found a draft share the budget.
         proposed: dict[int, list[int]] = {}
         for seq, k in wanted.items():

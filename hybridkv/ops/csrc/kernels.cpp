@@ -1301,11 +1301,12 @@ at::Tensor attention_decode_impl(const at::Tensor& qkv, const at::Tensor& q_norm
         for (int64_t b = 0; b < Hkv * hd * static_cast<int64_t>(sizeof(KV)); b += 64)
           __builtin_prefetch(at + b, 0, decltype(hint)::value);
       };
-      // Row r of KV head g is token j = r / group's query head g * group + r % group; its scores
-      // are scores[(j * H + h) * S + p - p0]. Padding rows repeat the last row.
-      auto score_at = [&](int64_t r, int64_t g) {
+      // Row r of KV head g is token j = r / group's query head h = g * group + r % group: its
+      // scores are scores[(j * H + h) * S + p - p0], its sums acc[(j * H + h) * hd ...]. Padding
+      // rows repeat the last row.
+      auto head_of = [&](int64_t r, int64_t g) {
         r = std::min(r, R - 1);
-        return (r / group * H + g * group + r % group) * S;
+        return r / group * H + g * group + r % group;
       };
       scores.resize(m * H * S);
       // One token (a decode step): position by position, one dot product per query head, keys
@@ -1330,10 +1331,7 @@ at::Tensor attention_decode_impl(const at::Tensor& qkv, const at::Tensor& q_norm
       } else {
         q_of.resize(Hkv * R_pad);
         for (int64_t g = 0; g < Hkv; ++g)
-          for (int64_t r = 0; r < R_pad; ++r) {
-            const int64_t rr = std::min(r, R - 1);
-            q_of[g * R_pad + r] = qp + ((n0 + rr / group) * H + g * group + rr % group) * hd;
-          }
+          for (int64_t r = 0; r < R_pad; ++r) q_of[g * R_pad + r] = qp + (n0 * H + head_of(r, g)) * hd;
       }
       // Several tokens: ATT_PT positions at a time in order, each KV head's rows of them against
       // its query rows. Keys are fetched KV_AHEAD positions on into L1, values into L2 for the
@@ -1354,7 +1352,7 @@ at::Tensor attention_decode_impl(const at::Tensor& qkv, const at::Tensor& q_norm
             else
               dots_tile<2>(q_of.data() + g * R_pad + r, k, hd, res);
             for (int a = 0; a < rt && r + a < R; ++a)
-              for (int b = 0; b < ATT_PT && p + b < p1; ++b) scores[score_at(r + a, g) + p + b - p0] = sc * res[a][b];
+              for (int b = 0; b < ATT_PT && p + b < p1; ++b) scores[head_of(r + a, g) * S + p + b - p0] = sc * res[a][b];
           }
         }
       }
@@ -1418,8 +1416,8 @@ at::Tensor attention_decode_impl(const at::Tensor& qkv, const at::Tensor& q_norm
         for (int64_t g = 0; g < Hkv; ++g) {
           for (int64_t p = pr; p < pe; ++p) rows[p - pr] = at_row(vp, p, g);
           for (int64_t r = 0; r < R_pad; ++r) {
-            w_of[r] = scores.data() + score_at(r, g) + pr - p0;
-            acc_of[r] = r < R ? acc + score_at(r, g) / S * hd : spare.data();
+            w_of[r] = scores.data() + head_of(r, g) * S + pr - p0;
+            acc_of[r] = r < R ? acc + head_of(r, g) * hd : spare.data();
           }
           for (int64_t r = 0, rt; r < R; r += rt) {
             rt = tile_rows(r);
