@@ -17,7 +17,7 @@ from hybridkv.errors import NotSupported
 from hybridkv.models import ModelConfig, Qwen3NextModel, load_model, read_checkpoint, weights_nbytes
 from hybridkv.models.mtp import MTPHidden
 from hybridkv.models.sources import ResolvedModel, resolve_model
-from hybridkv.models.weights import cache_room, check_memory_fit, format_bytes
+from hybridkv.models.weights import MemoryShare, cache_room, check_memory_fit, format_bytes
 from hybridkv.ops import native
 from hybridkv.ops.malloc import keep_freed_memory
 
@@ -44,12 +44,15 @@ def cache_spec(config: ModelConfig, dtype: torch.dtype, mtp: bool = False) -> Ca
     )
 
 
-def _fitted_message(full: PoolSizes, sizes: PoolSizes, cache: CacheConfig, room: int) -> str:
+def _fitted_message(full: PoolSizes, sizes: PoolSizes, cache: CacheConfig, room: int, share: MemoryShare) -> str:
     """What a cache shrunk to fit (`fit_pools`) holds, and the setting that sizes it instead."""
     tokens = sizes.num_blocks * cache.block_size
+    where = "the memory the weights leave"
+    if share.shared:
+        where = f"the memory {share.copies} copies of the weights leave, split between {share.caches} replicas"
     return (
-        f"the default cache ({format_bytes(full.total_bytes)}) does not fit in half of the memory the weights "
-        f"leave ({format_bytes(room)}): sized to {format_bytes(sizes.total_bytes)}, KV for {tokens:,} tokens "
+        f"the default cache ({format_bytes(full.total_bytes)}) does not fit in half of {where} "
+        f"({format_bytes(room)}): sized to {format_bytes(sizes.total_bytes)}, KV for {tokens:,} tokens "
         f"({tokens / cache.max_model_len:.1f} sequences of {cache.max_model_len:,}) and {sizes.num_snapshots:,} "
         "snapshots; --cache-memory sets its size"
     )
@@ -80,6 +83,7 @@ class CachedModel:
         quantize: str | None = None,
         mtp: bool = False,
         mtp_hidden: MTPHidden = "post_norm",
+        memory: MemoryShare | None = None,
     ) -> CachedModel:
         """Load a model with a cache: a checkpoint directory, a .gguf file, an ollama name or a
         Hugging Face repo id (`resolve_model`; default: the embedded default model).
@@ -91,6 +95,8 @@ class CachedModel:
         the check counts the float weights, which are held until each is quantized). `mtp` loads
         the checkpoint's multi-token-prediction block for `draft_mtp`, fed the main model's hidden
         state after its final norm or before it (`mtp_hidden`); NotSupported when there is none.
+        `memory`: this process's share of the machine's memory when others load the same model
+        (`serve --replicas`); default all of it.
         """
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
@@ -104,12 +110,13 @@ class CachedModel:
         config, _ = read_checkpoint(model_dir)
         spec, cache_in = cache_spec(config, dtype, mtp), cache
         weight_bytes = weights_nbytes(model_dir, dtype, mtp=mtp)
-        room = cache_room(weight_bytes)
+        memory = (memory or MemoryShare()).measure()  # MemAvailable read once, for the room and the check
+        room = cache_room(weight_bytes, memory)
         cache, factor = fit_pools(spec, cache, room)
         sizes = PoolSizes.plan(spec, cache)
         if factor < 1.0:
-            log.warning(_fitted_message(PoolSizes.plan(spec, cache_in), sizes, cache, room))
-        check_memory_fit(weight_bytes, sizes.total_bytes)
+            log.warning(_fitted_message(PoolSizes.plan(spec, cache_in), sizes, cache, room, memory))
+        check_memory_fit(weight_bytes, sizes.total_bytes, memory)
         loaded = load_model(model_dir, dtype, quantize=quantize, mtp=mtp_hidden if mtp else None)
         native.enabled()  # the C++ kernels built (first time on this machine, ~10 s) or loaded now, not mid-request
         keep_freed_memory()  # each step's large buffers reused, not faulted in and zeroed again

@@ -269,13 +269,15 @@ def llm_from_args(args: argparse.Namespace) -> LLM:
             quantize=args.quantize,
             cache_dir=cache_dir,
             cache_disk=cache_disk,
+            memory=getattr(args, "memory_share", None),
         )
     except BudgetTooSmall as e:
         raise UsageError(_budget_message(args, e)) from None
     except InsufficientMemory as e:
+        replicas = " or run fewer --replicas (or --no-spare)," if getattr(args, "memory_share", None) else ""
         raise UsageError(
             f"{e.numbers}: lower --cache-memory (or --max-model-len, --max-num-seqs, which size the default "
-            "cache), use --dtype bfloat16 or --quantize q8_0, or a machine with more memory"
+            f"cache),{replicas} use --dtype bfloat16 or --quantize q8_0, or a machine with more memory"
         ) from None
     except (ValueError, MemoryError) as e:
         raise UsageError(str(e)) from None

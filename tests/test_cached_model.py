@@ -13,7 +13,7 @@ from hybridkv import CacheConfig, CachedModel, CacheFull
 from hybridkv.cache.config import PoolSizes
 from hybridkv.cached_model import cache_spec
 from hybridkv.models import read_checkpoint, weights_nbytes
-from hybridkv.models.weights import cache_room
+from hybridkv.models.weights import InsufficientMemory, MemoryShare, cache_room
 
 TOL = 1e-4
 
@@ -116,6 +116,28 @@ def test_truncate_between_snapshots_recomputes_only_the_gap(hf_model: Any, check
     assert cm.stats()["snapshot_misses"] == 1
     assert_exact(hf_model, cm, s, cm.feed({s: [8, 8, 8]})[s])
     cm.cache.check_integrity()
+
+
+def test_a_replica_sizes_its_default_cache_in_its_share_of_the_memory(
+    checkpoint: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two replicas and a spare (`serve --replicas 2`): each worker's default cache takes its part
+    of what three copies of the weights leave, so all of them together fit as one process would."""
+    config = CacheConfig(snapshot_interval=4, max_model_len=96, block_size=4, max_sequences=8)
+    full = PoolSizes.plan(cache_spec(read_checkpoint(checkpoint)[0], torch.float32), config)
+    weights = weights_nbytes(checkpoint, torch.float32)
+    available = int((3 * weights + full.total_bytes) / 0.9)  # alone, one worker's default cache would fit
+    share = MemoryShare(available, copies=3, caches=2)
+    with caplog.at_level("WARNING", logger="hybridkv"):
+        cm = CachedModel.load(checkpoint, cache=config, memory=share)
+    total = cm.cache.sizes.total_bytes
+    assert total <= cache_room(weights, share) < full.total_bytes
+    assert 3 * weights + 2 * total <= 0.9 * available
+    assert "3 copies of the weights leave, split between 2 replicas" in caplog.text
+    alone = CachedModel.load(checkpoint, cache=config, memory=MemoryShare(available))
+    assert alone.cache.sizes.total_bytes == full.total_bytes
+    with pytest.raises(InsufficientMemory, match="3 copies of the weights"):
+        CachedModel.load(checkpoint, cache=config, memory=MemoryShare(int(2.5 * weights), copies=3, caches=2))
 
 
 def test_released_slots_and_blocks_are_reused_cleanly(hf_model: Any, checkpoint: Path) -> None:

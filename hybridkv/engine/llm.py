@@ -23,6 +23,7 @@ from hybridkv.engine.threads import IdleCores
 from hybridkv.engine.tokenizer import Tokenizer
 from hybridkv.models.gguf import GGUFFile, file_type_name
 from hybridkv.models.sources import ResolvedModel, resolve_model
+from hybridkv.models.weights import MemoryShare
 
 log = logging.getLogger("hybridkv")
 Prompt = str | Sequence[int]
@@ -88,10 +89,12 @@ class LLM:
         num_speculative_tokens: int | None = None,
         cache_dir: str | Path | None = None,
         cache_disk: int | None = None,
+        memory: MemoryShare | None = None,
     ) -> None:
         """`cache_dir` / `cache_disk` (bytes; 0 off): the prefix cache's disk tier, off unless
         either is given (`open_disk_tier` says the defaults of the other). `close()` writes what
-        is pending and stops it."""
+        is pending and stops it. `memory`: this process's share of the machine's memory when
+        others load the same model (`CachedModel.load`)."""
         if model is None:
             from hybridkv.default_model import default_model_dir
 
@@ -108,6 +111,7 @@ class LLM:
             cache or default_cache_config(engine),
             quantize=quantize,
             mtp=_wants_mtp(engine, self.source),
+            memory=memory,
         )
         self.files: tuple[Path, ...]  # what the model was read from
         generation_config: dict[str, Any] = {}

@@ -6,6 +6,7 @@ from hybridkv.models.qwen3_next import Qwen3NextModel
 from hybridkv.models.registry import FAMILIES, load_model, read_checkpoint, weights_nbytes
 from hybridkv.models.weights import (
     InsufficientMemory,
+    MemoryShare,
     MissingWeightsFile,
     WeightsError,
     check_memory_fit,
@@ -14,6 +15,7 @@ from hybridkv.models.weights import (
 __all__ = [
     "FAMILIES",
     "InsufficientMemory",
+    "MemoryShare",
     "MissingWeightsFile",
     "ModelConfig",
     "Qwen3NextModel",

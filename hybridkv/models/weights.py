@@ -8,6 +8,7 @@ Files are memory-mapped, so peak memory is the model plus the one tensor being c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -238,25 +239,81 @@ class LoadProgress:
             sys.stderr.write("\n")
 
 
-def check_memory_fit(weight_bytes: int, cache_bytes: int, available: int | None = None) -> None:
-    """Raise `InsufficientMemory` when weights + cache exceed 90% of available memory."""
-    available = available_memory() if available is None else available
-    needed = weight_bytes + cache_bytes
+@dataclass(frozen=True)
+class MemoryShare:
+    """The memory one process plans its weights and cache in. Alone on the machine (the default),
+    all of it: MemAvailable, read when asked. When several processes load the same model (`serve
+    --replicas`), the one that starts them reads MemAvailable once, before any of them loads, and
+    gives each the same share: `copies` processes hold the weights (the replicas and a loaded
+    spare) and `caches` of them fill a cache (the replicas: a spare's pools stay untouched until it
+    takes a replica's place). Read by each worker after the others had loaded, MemAvailable would
+    give every one a cache sized as if it were alone."""
+
+    available: int | None = None  # bytes; None: this machine's MemAvailable now
+    copies: int = 1
+    caches: int = 1
+
+    def __post_init__(self) -> None:
+        if self.copies < 1 or not 1 <= self.caches <= self.copies:
+            raise ValueError(
+                f"a memory share needs 1 <= caches <= copies, got {self.caches} caches, {self.copies} copies"
+            )
+        if self.available is not None and self.available < 0:
+            raise ValueError(f"available memory must be >= 0 bytes, got {self.available}")
+
+    @classmethod
+    def parse(cls, text: str) -> MemoryShare:
+        """`str(share)`'s form, AVAILABLE,COPIES,CACHES (what `serve --replicas` passes its workers)."""
+        try:
+            available, copies, caches = (int(part) for part in text.split(","))
+        except ValueError:
+            raise ValueError(f"a memory share is AVAILABLE_BYTES,COPIES,CACHES, got {text!r}") from None
+        return cls(available, copies, caches)
+
+    def __str__(self) -> str:
+        return f"{self.measured()},{self.copies},{self.caches}"
+
+    def measured(self) -> int:
+        return available_memory() if self.available is None else self.available
+
+    def measure(self) -> MemoryShare:
+        """This share with MemAvailable read now, if it was left to be read."""
+        return self if self.available is not None else dataclasses.replace(self, available=available_memory())
+
+    @property
+    def shared(self) -> bool:
+        return self.copies > 1
+
+
+def check_memory_fit(weight_bytes: int, cache_bytes: int, share: MemoryShare | None = None) -> None:
+    """Raise `InsufficientMemory` when weights + cache exceed 90% of available memory (with a
+    `share`: its copies of the weights and its caches, each cache `cache_bytes`)."""
+    share = share or MemoryShare()
+    available = share.measured()
+    needed = share.copies * weight_bytes + share.caches * cache_bytes
     limit = int(MEMORY_HEADROOM * available)
     if needed > limit:
+        if share.shared:
+            what = (
+                f"{share.copies} copies of the weights ({format_bytes(weight_bytes)} each: the replicas and a "
+                f"loaded spare) + {share.caches} caches ({format_bytes(cache_bytes)} each)"
+            )
+        else:
+            what = f"weights {format_bytes(weight_bytes)} + cache {format_bytes(cache_bytes)}"
         raise InsufficientMemory(
-            f"weights {format_bytes(weight_bytes)} + cache {format_bytes(cache_bytes)} = "
-            f"{format_bytes(needed)}, more than {MEMORY_HEADROOM:.0%} of available memory "
+            f"{what} = {format_bytes(needed)}, more than {MEMORY_HEADROOM:.0%} of available memory "
             f"({format_bytes(limit)} of {format_bytes(available)})",
             "use a smaller cache budget, bfloat16 weights, or a machine with more memory",
         )
 
 
-def cache_room(weight_bytes: int, available: int | None = None) -> int:
+def cache_room(weight_bytes: int, share: MemoryShare | None = None) -> int:
     """The most a cache sized by default may take (`fit_pools`): `CACHE_SHARE` of what
-    `check_memory_fit`'s limit leaves beside the weights, so the machine keeps room for the rest."""
-    available = available_memory() if available is None else available
-    return max(0, int(CACHE_SHARE * (int(MEMORY_HEADROOM * available) - weight_bytes)))
+    `check_memory_fit`'s limit leaves beside the weights, so the machine keeps room for the rest;
+    with a `share`, beside all its copies of the weights, split between its caches."""
+    share = share or MemoryShare()
+    left = int(MEMORY_HEADROOM * share.measured()) - share.copies * weight_bytes
+    return max(0, int(CACHE_SHARE * left) // share.caches)
 
 
 def format_bytes(n: int) -> str:

@@ -57,6 +57,8 @@ def add_parser(commands: Any) -> None:
     )
     # A worker of `serve --replicas` (internal): load, then serve the inherited socket stdin names.
     serve.add_argument("--standby", action="store_true", help=argparse.SUPPRESS)
+    # Also internal: the worker's share of the machine's memory (`MemoryShare`), from `serve --replicas`.
+    serve.add_argument("--memory-share", type=_memory_share, help=argparse.SUPPRESS)
     _add_access_flags(serve)
     add_cluster_flags(serve)
     serve.set_defaults(run=serve_command)
@@ -90,6 +92,15 @@ def _add_access_flags(serve: argparse.ArgumentParser) -> None:
     )
     access.add_argument("--ssl-certfile", metavar="FILE", help="serve HTTPS with this certificate (PEM)")
     access.add_argument("--ssl-keyfile", metavar="FILE", help="the certificate's private key (PEM, unencrypted)")
+
+
+def _memory_share(text: str) -> Any:
+    from hybridkv.models.weights import MemoryShare
+
+    try:
+        return MemoryShare.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def serve_command(args: argparse.Namespace) -> int:

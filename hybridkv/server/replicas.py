@@ -5,8 +5,10 @@
                                                                  └─▶ worker 1 (127.0.0.1:free) ...
 
 Workers are `hybridkv serve` processes, started with the same engine flags; `--threads` and
-`--cache-memory` are split evenly between them (without `--cache-memory` each sizes its own default
-cache). On a machine with several NUMA nodes each worker is pinned to one node's CPUs (`placement`).
+`--cache-memory` are split evenly between them. Without `--cache-memory` each sizes its default
+cache in an equal share of the memory `serve` reads once before any of them loads (`MemoryShare`:
+the weights counted once per worker and once for the spare), so together they fit as one process
+would. On a machine with several NUMA nodes each worker is pinned to one node's CPUs (`placement`).
 The router starts once every worker answers /health. `serve` binds the workers' sockets itself
 and keeps a spare worker loaded: when a worker dies, the spare takes over its socket (requests
 meanwhile wait in the backlog) and the router's health checks (every second) take it back; a new
@@ -285,6 +287,10 @@ def plan_workers(args: argparse.Namespace, access: Access, router_key: str | Non
         from hybridkv.cli import parse_size
 
         passed.append(("--cache-memory", parse_size(args.cache_memory) // n))
+    # Read here, once, before any worker loads: each plans its weights and cache in the same share.
+    from hybridkv.models.weights import MemoryShare, available_memory
+
+    passed.append(("--memory-share", str(MemoryShare(available_memory(), n + bool(args.standby_spare), n))))
     command = [sys.executable, "-m", "hybridkv.cli", "serve", "--standby", "--host", "127.0.0.1"]
     command += [item for flag, value in passed if value is not None for item in (flag, str(value))]
     if args.metrics_public:

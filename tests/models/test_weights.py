@@ -13,12 +13,14 @@ from tiny import TinyCache
 
 from hybridkv.models import (
     InsufficientMemory,
+    MemoryShare,
     MissingWeightsFile,
     WeightsError,
     check_memory_fit,
     load_model,
     weights_nbytes,
 )
+from hybridkv.models.weights import cache_room
 
 Tensors = dict[str, torch.Tensor]
 
@@ -172,12 +174,38 @@ def test_weights_nbytes_counts_the_compute_dtype(tiny_checkpoint, tmp_path):
 
 def test_check_memory_fit_refuses_with_the_numbers():
     gib = 1 << 30
-    check_memory_fit(gib, gib // 2, available=2 * gib)  # 1.5 GiB of 2 GiB: under 90%
+    check_memory_fit(gib, gib // 2, MemoryShare(2 * gib))  # 1.5 GiB of 2 GiB: under 90%
     with pytest.raises(InsufficientMemory) as e:
-        check_memory_fit(gib, 15 * gib // 16, available=2 * gib)  # 1.94 GiB
+        check_memory_fit(gib, 15 * gib // 16, MemoryShare(2 * gib))  # 1.94 GiB
     assert isinstance(e.value, MemoryError)
     for part in ("1.00 GiB", "960.0 MiB", "1.94 GiB", "2.00 GiB"):
         assert part in str(e.value)
     check_memory_fit(0, 0)  # reads this machine's MemAvailable
     with pytest.raises(InsufficientMemory):
         check_memory_fit(1 << 60, 0)
+
+
+def test_a_share_counts_every_copy_of_the_weights_and_every_cache():
+    """`serve --replicas 2` with its spare: three processes hold the weights, two fill a cache; the
+    room a default cache gets is what fits when every one of them does."""
+    gib = 1 << 30
+    share = MemoryShare(20 * gib, copies=3, caches=2)
+    room = cache_room(4 * gib, share)
+    assert room == int(0.5 * (int(0.9 * 20 * gib) - 12 * gib)) // 2  # 1.5 GiB each
+    check_memory_fit(4 * gib, room, share)
+    assert 3 * 4 * gib + 2 * room <= 0.9 * 20 * gib
+    with pytest.raises(InsufficientMemory) as e:
+        check_memory_fit(4 * gib, 3 * gib + 1, share)  # 12 GiB + 2 x 3 GiB > 18 GiB
+    assert "3 copies of the weights (4.00 GiB each" in str(e.value) and "2 caches (3.00 GiB each)" in str(e.value)
+    assert cache_room(7 * gib, share) == 0  # the weights alone take the limit: nothing left
+    alone = MemoryShare(20 * gib)
+    assert cache_room(4 * gib, alone) == int(0.5 * (int(0.9 * 20 * gib) - 4 * gib))
+
+
+def test_a_share_travels_as_one_flag_value_and_refuses_nonsense():
+    share = MemoryShare(123456789, 3, 2)
+    assert MemoryShare.parse(str(share)) == share
+    for bad in ("1,2", "x,1,1", "10,1,2", "10,0,0", "-1,1,1"):
+        with pytest.raises(ValueError, match="memory share|available memory"):
+            MemoryShare.parse(bad)
+    assert MemoryShare().measure().available is not None  # MemAvailable read once, then kept
