@@ -26,14 +26,17 @@ LogitsMode = Literal["all", "last", "none"]
 _DTYPES = {torch.float32, torch.bfloat16}
 
 
-def cache_spec(config: ModelConfig, dtype: torch.dtype, mtp: bool = False) -> CacheSpec:
-    """What the cache holds for `config`; with `mtp`, the MTP layer's K/V as one more attention
-    layer (the last) and the hidden carry in every state slot and snapshot (`models.mtp`)."""
+def cache_spec(
+    config: ModelConfig, dtype: torch.dtype, mtp: bool = False, kv_dtype: torch.dtype | None = None
+) -> CacheSpec:
+    """What the cache holds for `config` computed in `dtype` (K/V in `kv_dtype`, default `dtype`);
+    with `mtp`, the MTP layer's K/V as one more attention layer (the last) and the hidden carry in
+    every state slot and snapshot (`models.mtp`)."""
     return CacheSpec(
         num_attention_layers=len(config.attention_layers) + int(mtp),
         num_kv_heads=config.num_key_value_heads,
         head_dim=config.head_dim,
-        kv_dtype=dtype,
+        kv_dtype=kv_dtype or dtype,
         num_linear_layers=len(config.linear_layers),
         conv_channels=config.conv_channels,
         conv_kernel=config.linear_conv_kernel_dim,
@@ -70,7 +73,7 @@ class CachedModel:
         self.model = model
         self.config = config
         self.dtype = dtype
-        self.cache = HybridCache(cache_spec(config, dtype, mtp=model.mtp is not None), cache)
+        self.cache = HybridCache(cache_spec(config, dtype, model.mtp is not None, cache.kv_dtype), cache)
         self._tokens: dict[int, list[int]] = {}
         self._counters: Counter[str] = Counter()
 
@@ -108,7 +111,7 @@ class CachedModel:
         cache = cache or CacheConfig()
         model_dir = source.path  # a checkpoint directory, or the (first) GGUF file
         config, _ = read_checkpoint(model_dir)
-        spec, cache_in = cache_spec(config, dtype, mtp), cache
+        spec, cache_in = cache_spec(config, dtype, mtp, cache.kv_dtype), cache
         weight_bytes = weights_nbytes(model_dir, dtype, mtp=mtp)
         memory = (memory or MemoryShare()).measure()  # MemAvailable read once, for the room and the check
         room = cache_room(weight_bytes, memory)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hybridkv.cache.config import BudgetTooSmall
+from hybridkv.cache.config import KV_DTYPES, BudgetTooSmall
 from hybridkv.engine.speculative import DRAFT_BUDGET, SPEC_METHODS, SpeculativeConfig
 from hybridkv.errors import NotSupported
 from hybridkv.models.sources import resolve_model
@@ -144,6 +144,12 @@ def add_engine_flags(parser: argparse.ArgumentParser, max_num_seqs: int = 8) -> 
         "sequences of --max-model-len tokens, shrunk to fit in half of the memory the weights leave)",
     )
     parser.add_argument(
+        "--kv-dtype",
+        choices=list(KV_DTYPES),
+        help="what the attention K/V cache is stored in: float16 or bfloat16 hold twice the tokens in the same "
+        "memory and read half the bytes a step, float16 as llama.cpp's default cache (default: --dtype)",
+    )
+    parser.add_argument(
         "--snapshot-interval", type=int, default=256, metavar="N", help="snapshot every N tokens (default 256)"
     )
     parser.add_argument(
@@ -252,6 +258,7 @@ def llm_from_args(args: argparse.Namespace) -> LLM:
         engine,
         max_model_len=args.max_model_len,
         snapshot_interval=args.snapshot_interval,
+        kv_dtype=KV_DTYPES[args.kv_dtype] if args.kv_dtype else None,
         kv_bytes=None if budget is None else budget * 7 // 10,
         snapshot_bytes=None if budget is None else budget * 3 // 10,
     )

@@ -3,10 +3,12 @@ and their no-cache logits."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
+import transformers.models.qwen3_next.modeling_qwen3_next as qwen3_next_modeling
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
 TINY = dict(
@@ -59,3 +61,30 @@ def hf_logits(model: Qwen3NextForCausalLM, tokens: Sequence[int]) -> torch.Tenso
 def max_rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     """max |got - want| relative to max |want|: the parity measure of every test."""
     return float((got - want).abs().max() / want.abs().max())
+
+
+@contextlib.contextmanager
+def attention_reads(
+    stored: Sequence[tuple[torch.Tensor, torch.Tensor]], seen: list[tuple[torch.Tensor, torch.Tensor]]
+) -> Iterator[None]:
+    """transformers' Qwen3-Next attention reading, in its i-th call, the keys (normed, rotated) and
+    values `stored[i]` ([L, Hkv, hd] each: what a cache holds for the sequence) instead of its own,
+    which go to `seen` in the same form. A cache that stores K/V in a narrower type rounds them
+    once: the logits must then equal the reference reading the same rounded values, and what it
+    stored must be the reference's own K/V rounded (comparing against transformers rounding its
+    own instead would fail on every float32 difference that lands a value on the other side of a
+    rounding step, amplified through the layers after it)."""
+    eager = qwen3_next_modeling.eager_attention_forward
+    calls = iter(stored)
+
+    def swapped(module, query, key, value, *args, **kwargs):  # type: ignore[no-untyped-def]
+        k, v = next(calls)
+        seen.append((key[0].transpose(0, 1).clone(), value[0].transpose(0, 1).clone()))
+        k, v = (t.transpose(0, 1)[None].to(key.dtype) for t in (k, v))
+        return eager(module, query, k, v, *args, **kwargs)
+
+    qwen3_next_modeling.eager_attention_forward = swapped
+    try:
+        yield
+    finally:
+        qwen3_next_modeling.eager_attention_forward = eager

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from hf_reference import hf_logits, make_hf_model, max_rel_err, save_checkpoint
+from hf_reference import attention_reads, hf_logits, make_hf_model, max_rel_err, save_checkpoint
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -62,6 +62,7 @@ def mtp_reference() -> dict[str, torch.Tensor]:
 class CachePrograms(RuleBasedStateMachine):
     family = "qwen3_next"
     mtp = False
+    kv_dtype: torch.dtype | None = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -73,6 +74,7 @@ class CachePrograms(RuleBasedStateMachine):
             block_size=4,
             max_sequences=4,
             verify_rows=6,
+            kv_dtype=self.kv_dtype,
         )
         self.cm = CachedModel.load(checkpoint, cache=config, mtp=self.mtp)
         self.expected: dict[int, list[int]] = {}
@@ -214,6 +216,40 @@ class MTPPrograms(CachePrograms):
             assert max_rel_err(got, twin_draft(mtp_reference(), self.hf, True, ids, pending, 2)) <= 1e-4
 
 
+class HalfKVPrograms(CachePrograms):
+    """K/V stored in float16 (`CacheConfig.kv_dtype`), whichever way the tokens came (chunks,
+    decode steps, verifies, forks, truncations): every logit equals transformers' with its
+    attention reading the K/V the cache holds for the sequence, and those are transformers' own
+    rounded to float16 (`attention_reads`). Reading its own unrounded K/V instead, transformers'
+    logits differ by ~1e-3, ten times the tolerance."""
+
+    kv_dtype = torch.float16
+
+    def check(self, seq: int, rows: torch.Tensor) -> None:
+        ids, cache = self.expected[seq], self.cm.cache
+        bs, table = cache.config.block_size, cache.block_table(seq)
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(len(ids))])
+        pools = zip(cache.tensors.key, cache.tensors.value, strict=True)
+        stored = [tuple(pool.flatten(0, 1)[slots].float() for pool in kv) for kv in pools]
+        assert all(pool.dtype == self.kv_dtype for pool in cache.tensors.key + cache.tensors.value)
+        seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+        with attention_reads(stored, seen):
+            want = self.logits_fn(self.hf, ids)[-len(rows) :]
+        assert max_rel_err(rows, want) <= 1e-4
+        # Rounded to nearest: half a step of the type (at most eps/2 relative), or one and a half
+        # where a float32 difference crossed a rounding boundary; the float32 differences
+        # themselves (up to the logits' 1e-4 after the layers before) are relative to the largest.
+        step = torch.finfo(self.kv_dtype).eps
+        for ours, theirs in zip(stored, seen, strict=True):
+            for got, ref in zip(ours, theirs, strict=True):
+                excess = (got - ref).abs() - 2 * step * ref.abs() - 1e-5 * ref.abs().max()
+                assert excess.max() <= 0, (excess.max().item(), got.flatten()[excess.argmax()], ref)
+
+
+class BFloat16KVPrograms(HalfKVPrograms):
+    kv_dtype = torch.bfloat16
+
+
 class Qwen35DensePrograms(CachePrograms):
     family = "qwen3_5"
 
@@ -245,6 +281,10 @@ Qwen35MoePrograms.TestCase.settings = _settings(8)
 TestQwen35DensePrograms = Qwen35DensePrograms.TestCase
 TestQwen35MoePrograms = Qwen35MoePrograms.TestCase
 GGUFPrograms.TestCase.settings = _settings(6)
+HalfKVPrograms.TestCase.settings = _settings(20)
+TestHalfKVPrograms = HalfKVPrograms.TestCase
+BFloat16KVPrograms.TestCase.settings = _settings(10)
+TestBFloat16KVPrograms = BFloat16KVPrograms.TestCase
 MTPPrograms.TestCase.settings = _settings(5)
 TestMTPPrograms = MTPPrograms.TestCase
 TestGGUFPrograms = GGUFPrograms.TestCase

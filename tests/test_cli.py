@@ -19,9 +19,10 @@ TOKENIZER = Tokenizer.from_dir(default_model_dir())
 VOCAB_SIZE = TOKENIZER.vocab_size
 
 
-def greedy_ids(prompt: list[int], n: int) -> list[int]:
+def greedy_ids(prompt: list[int], n: int, kv_dtype: torch.dtype | None = None) -> list[int]:
     """The default model's greedy continuation, computed without the CLI or the engine."""
-    cm = CachedModel.load(default_model_dir(), cache=CacheConfig(max_model_len=256, max_sequences=1))
+    config = CacheConfig(max_model_len=256, max_sequences=1, kv_dtype=kv_dtype)
+    cm = CachedModel.load(default_model_dir(), cache=config)
     seq, ids = cm.new_sequence(), []
     logits = cm.feed({seq: prompt}, logits="last")[seq]
     for _ in range(n):
@@ -36,6 +37,17 @@ def test_stdout_is_only_the_continuation_up_to_max_tokens(capsys: pytest.Capture
     out, err = capsys.readouterr()
     assert out == TOKENIZER.decode(greedy_ids(prompt, 5))
     assert "5 generated" in err and "stopped at --max-tokens" in err
+
+
+def test_kv_dtype_stores_the_cache_as_asked(capsys: pytest.CaptureFixture[str]) -> None:
+    prompt = TOKENIZER.encode("def main():")
+    argv = ["generate", "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", "12", "--kv-dtype", "float16"]
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().out == TOKENIZER.decode(greedy_ids(prompt, 12, torch.float16))
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "a", "--kv-dtype", "int8"])
+    err = capsys.readouterr().err
+    assert "argument --kv-dtype: invalid choice: 'int8'" in err and "float16" in err
 
 
 def test_prompt_and_generated_tokens_fit_max_model_len(capsys: pytest.CaptureFixture[str]) -> None:

@@ -20,6 +20,10 @@ class BudgetTooSmall(ValueError):
         self.needed = needed
 
 
+# What attention K/V blocks may be stored in (`CacheConfig.kv_dtype`), by name.
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     """Cache settings; every field has a working default.
@@ -33,6 +37,10 @@ class CacheConfig:
     verify_rows: scratch recurrent states for speculative verification: a forward verifying k
         drafts keeps the state after each of its first k positions in one row each until
         `HybridCache.accept` picks one (k per speculating sequence; 0: no speculation).
+    kv_dtype: what the attention K/V blocks are stored in: None (the model's compute dtype),
+        torch.float32, torch.bfloat16 or torch.float16. A narrower type holds twice the tokens in
+        the same bytes; every read of the cache sees the stored (rounded) values, so results do
+        not depend on how a sequence was chunked, cached or restored. Recurrent states stay float32.
     """
 
     kv_bytes: int | None = None
@@ -44,8 +52,13 @@ class CacheConfig:
     snapshot_interval: int = 256
     snapshots_per_sequence: int = 8
     verify_rows: int = 0
+    kv_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
+        if self.kv_dtype not in KV_DTYPES.values() and self.kv_dtype is not None:
+            raise ValueError(
+                f"CacheConfig.kv_dtype must be None or one of torch.{', torch.'.join(KV_DTYPES)}, got {self.kv_dtype!r}"
+            )
         for name in ("max_sequences", "max_model_len", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -173,11 +186,11 @@ def fit_pools(spec: CacheSpec, config: CacheConfig, room: int) -> tuple[CacheCon
     if sizes.total_bytes <= room or scalable == 0:
         return config, 1.0
     factor = max(0.0, (room - (sizes.total_bytes - scalable)) / scalable)
-    budgets: dict[str, int] = {}
+    kv_bytes, snapshot_bytes = config.kv_bytes, config.snapshot_bytes
     block_bytes = spec.kv_bytes_per_token * config.block_size
-    if config.kv_bytes is None and block_bytes:
+    if kv_bytes is None and block_bytes:
         least = math.ceil(config.max_model_len / config.block_size) * block_bytes
-        budgets["kv_bytes"] = max(least, int(sizes.kv_bytes * factor) // block_bytes * block_bytes)
-    if config.snapshot_bytes is None:
-        budgets["snapshot_bytes"] = int(sizes.snapshot_bytes * factor)
-    return dataclasses.replace(config, **budgets), factor
+        kv_bytes = max(least, int(sizes.kv_bytes * factor) // block_bytes * block_bytes)
+    if snapshot_bytes is None:
+        snapshot_bytes = int(sizes.snapshot_bytes * factor)
+    return dataclasses.replace(config, kv_bytes=kv_bytes, snapshot_bytes=snapshot_bytes), factor

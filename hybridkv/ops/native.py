@@ -243,10 +243,11 @@ def attention_decode(
     """One gated-attention decode step after qkv_proj, token n being sequence n.
 
     qkv [T, (2H + 2Hkv)·hd] = q | gate | k | v; q_norm, k_norm [hd] (RMSNorm weights, float32);
-    cos, sin [T, rd]; pools = (k_pool, v_pool) [num_blocks, block_size, Hkv, hd] (float32 or
-    bfloat16). Writes each token's normalised, rotated key and its value at slot_mapping[n], then
-    attends over the sequence's kv_lens[n] positions through block_tables[n], in place.
-    Returns attention · sigmoid(gate) [T, H·hd] float32 (`paged_attention`'s decode case, gated).
+    cos, sin [T, rd]; pools = (k_pool, v_pool) [num_blocks, block_size, Hkv, hd] (float32,
+    bfloat16 or float16, whatever qkv's dtype). Writes each token's normalised, rotated key and
+    its value at slot_mapping[n], then attends over the sequence's kv_lens[n] positions through
+    block_tables[n], in place. Returns attention · sigmoid(gate) [T, H·hd] float32
+    (`paged_attention`'s decode case, gated).
     """
     k_pool, v_pool = pools
     return _ops().attention_decode(

@@ -274,6 +274,7 @@ def plan_workers(args: argparse.Namespace, access: Access, router_key: str | Non
         ("--dtype", args.dtype),
         ("--max-model-len", args.max_model_len),
         ("--snapshot-interval", args.snapshot_interval),
+        ("--kv-dtype", args.kv_dtype),
         ("--max-num-seqs", args.max_num_seqs),
         ("--max-queue", args.max_queue),
         ("--shutdown-timeout", args.shutdown_timeout),

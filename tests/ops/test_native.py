@@ -284,7 +284,7 @@ def test_silu_mul_equals_the_pytorch_twin(T: int, I: int) -> None:  # noqa: E741
     assert_close(native.silu_mul(gate_up.T.contiguous().T), F.silu(gate) * up, rel=1e-6)  # strided input
 
 
-@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("H", "Hkv", "hd", "rd"), [(4, 2, 16, 8), (8, 2, 64, 64), (2, 2, 24, 12)])
 @pytest.mark.parametrize(
     ("seqs", "threads"),
@@ -352,6 +352,9 @@ def test_attention_decode_equals_pytorch_step(
         )
     finally:
         torch.set_num_threads(before)
-    assert_close(got, want, rel=1e-5 if pool_dtype == torch.float32 else 2e-2)
-    assert_close(k_pool, want_k, rel=1e-5 if pool_dtype == torch.float32 else 1e-2, dtype=pool_dtype)
+    # A key rounded to the pool's type from a sum in another order can land one step of that type
+    # away (bfloat16: 2^-8 relative, float16: 2^-11): so can what attends to it.
+    rel = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 1e-2), torch.float16: (3e-3, 1e-3)}[pool_dtype]
+    assert_close(got, want, rel=rel[0])
+    assert_close(k_pool, want_k, rel=rel[1], dtype=pool_dtype)
     assert torch.equal(v_pool, want_v)

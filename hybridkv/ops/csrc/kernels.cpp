@@ -102,8 +102,22 @@ inline vf load(const at::BFloat16* p) {
 #endif
 }
 
+// float16 (a KV pool's): one conversion instruction per vector where the CPU has F16C.
+inline vf load(const at::Half* p) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+#elif defined(__F16C__)
+  return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+#else
+  vf v;
+  for (int i = 0; i < LANES; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+#endif
+}
+
 inline float scalar(float v) { return v; }
 inline float scalar(at::BFloat16 v) { return static_cast<float>(v); }
+inline float scalar(at::Half v) { return static_cast<float>(v); }
 
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
@@ -1115,9 +1129,17 @@ at::Tensor gdn_forward(const at::Tensor& mixed_in, const at::Tensor& conv_weight
 inline void to_float(const at::BFloat16* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
+inline void to_float(const at::Half* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES) store(dst + i, load(src + i));
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
 inline void from_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 inline void from_float(const float* src, at::BFloat16* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = at::BFloat16(src[i]);
+}
+inline void from_float(const float* src, at::Half* dst, int64_t n) {  // round to nearest even, as PyTorch's .half()
+  for (int64_t i = 0; i < n; ++i) dst[i] = at::Half(src[i]);
 }
 
 // In place on one head x[hd]: RMSNorm with weight w, then rotate-half RoPE on the first rd dims.
@@ -1393,10 +1415,17 @@ at::Tensor attention_decode_impl(const at::Tensor& qkv, const at::Tensor& q_norm
           fetch(vp, p + KV_AHEAD, std::integral_constant<int, 3>{});
           for (int64_t g = 0; g < Hkv; ++g) {
             const KV* v = at_row(vp, p, g);
+            const float* vrow;  // widened once for the group's heads (float16 converts in vectors only)
+            if constexpr (std::is_same_v<KV, float>) {
+              vrow = v;
+            } else {
+              to_float(v, widened.data(), hd);
+              vrow = widened.data();
+            }
             for (int64_t h = g * group; h < (g + 1) * group; ++h) {
               const float w = scores[h * S + p - p0];
               float* a = acc + h * hd;
-              for (int64_t i = 0; i < hd; ++i) a[i] += w * scalar(v[i]);
+              for (int64_t i = 0; i < hd; ++i) a[i] += w * vrow[i];
             }
           }
         }
@@ -1471,8 +1500,9 @@ at::Tensor attention_decode(const at::Tensor& qkv_in, const at::Tensor& q_norm, 
   TORCH_CHECK(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes() && k_pool.is_contiguous() && v_pool.is_contiguous(),
               "attention_decode: k_pool and v_pool must be contiguous [blocks, block_size, Hkv, hd]");
   TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type() &&
-                  (k_pool.scalar_type() == at::kFloat || k_pool.scalar_type() == at::kBFloat16),
-              "attention_decode: pools must both be float32 or both bfloat16");
+                  (k_pool.scalar_type() == at::kFloat || k_pool.scalar_type() == at::kBFloat16 ||
+                   k_pool.scalar_type() == at::kHalf),
+              "attention_decode: pools must both be float32, both bfloat16 or both float16");
   const int64_t bs = k_pool.size(1), Hkv = k_pool.size(2), hd = k_pool.size(3), T = qkv_in.size(0);
   TORCH_CHECK(H % Hkv == 0 && qkv_in.dim() == 2 && qkv_in.size(1) == (2 * H + 2 * Hkv) * hd,
               "attention_decode: qkv ", qkv_in.sizes(), " does not match H=", H, " Hkv=", Hkv, " hd=", hd);
@@ -1491,6 +1521,9 @@ at::Tensor attention_decode(const at::Tensor& qkv_in, const at::Tensor& q_norm, 
   if (k_pool.scalar_type() == at::kFloat)
     return attention_decode_impl(qkv, qn, kn, eps, cos_t, sin_t, k_pool.data_ptr<float>(), v_pool.data_ptr<float>(),
                                  rows, bs, Hkv, hd, slots, tables, lens, scale, H);
+  if (k_pool.scalar_type() == at::kHalf)
+    return attention_decode_impl(qkv, qn, kn, eps, cos_t, sin_t, k_pool.data_ptr<at::Half>(),
+                                 v_pool.data_ptr<at::Half>(), rows, bs, Hkv, hd, slots, tables, lens, scale, H);
   return attention_decode_impl(qkv, qn, kn, eps, cos_t, sin_t, k_pool.data_ptr<at::BFloat16>(),
                                v_pool.data_ptr<at::BFloat16>(), rows, bs, Hkv, hd, slots, tables, lens, scale, H);
 }
