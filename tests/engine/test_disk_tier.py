@@ -27,9 +27,13 @@ MB = 1 << 20
 
 
 def make_llm(
-    chat_model: tuple[Path, Any], cache_dir: Path | None, cached: int | None = None, max_sequences: int = 17
+    chat_model: tuple[Path, Any],
+    cache_dir: Path | None,
+    cached: int | None = None,
+    max_sequences: int = 17,
+    kv_dtype: torch.dtype | None = None,
 ) -> LLM:
-    cache = CacheConfig(max_sequences=max_sequences, max_model_len=2048, snapshots_per_sequence=16)
+    cache = CacheConfig(max_sequences=max_sequences, max_model_len=2048, snapshots_per_sequence=16, kv_dtype=kv_dtype)
     engine = EngineConfig(max_num_seqs=8, max_cached_sequences=cached)
     return LLM(chat_model[0], cache=cache, engine=engine, cache_dir=cache_dir, cache_disk=None if cache_dir else 0)
 
@@ -105,6 +109,28 @@ def test_a_chat_continues_after_a_restart_computing_only_the_new_tokens(
     assert after.engine.metrics()["prompt_tokens_disk"] == prompts[0] - 1 + prompts[1] - 1
     after.close()
     assert list_models(tmp_path)[0]["states"] > 0
+
+
+def test_a_float16_cache_restores_its_own_blocks_and_never_another_types(
+    chat_model: tuple[Path, Any], tmp_path: Path
+) -> None:
+    """K/V stored in float16 go to disk as they are (half the bytes) and come back bit for bit: the
+    chat continues after a restart as it does in one process. A float32 cache of the same model
+    is another cache: it never reads the float16 blocks."""
+    before = make_llm(chat_model, tmp_path, kv_dtype=torch.float16)
+    chat_turns(before, 0, 2)
+    before.close()
+    after = make_llm(chat_model, tmp_path, kv_dtype=torch.float16)
+    no_disk = make_llm(chat_model, None, kv_dtype=torch.float16)
+    outputs, computed, _ = chat_turns(after, 0, 3)
+    want_outputs, want_computed, _ = chat_turns(no_disk, 0, 3)
+    assert outputs == want_outputs and computed == [1, 1, want_computed[2]]
+    after.close()
+    other = make_llm(chat_model, tmp_path)
+    _, computed, prompts = chat_turns(other, 0, 1)
+    assert computed == prompts and other.engine.metrics().get("prompt_tokens_disk", 0) == 0
+    other.close()
+    assert len(list_models(tmp_path)) == 2
 
 
 def test_two_conversations_of_ram_with_twenty_in_rotation(chat_model: tuple[Path, Any], tmp_path: Path) -> None:
