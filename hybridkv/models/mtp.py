@@ -165,6 +165,7 @@ class MTPBlock(nn.Module):
         """Draft step s's attention in PyTorch (many sequences, or no kernels): SDPA over a gathered
         copy of the cached MTP K/V and the draft rows so far; the gate is applied in `finish`."""
         k_cache, v_cache, visible = _gather_kv(view, self.kv_layer)
+        stored = view.kv_pools(self.kv_layer)[0].dtype  # draft rows rounded as the kernel's scratch pool holds them
         N = visible.shape[0]
         new_k: list[torch.Tensor] = []
         new_v: list[torch.Tensor] = []
@@ -172,8 +173,8 @@ class MTPBlock(nn.Module):
         def attend(x: torch.Tensor, s: int) -> tuple[torch.Tensor, torch.Tensor | None]:
             cos, sin = rope(view.kv_lens - 1 + s, x.dtype)
             q, gate, k, v = self.qkv(x, cos, sin)
-            new_k.append(k.float())
-            new_v.append(v.float())
+            new_k.append(k.to(stored).float())
+            new_v.append(v.to(stored).float())
             keys = torch.cat([k_cache, torch.stack(new_k, 2)], 2)  # [N, Hkv, S + s + 1, hd]
             values = torch.cat([v_cache, torch.stack(new_v, 2)], 2)
             mask = torch.cat([visible, visible.new_ones(N, s + 1)], 1)[:, None, None, :]
