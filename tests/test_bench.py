@@ -284,8 +284,10 @@ def test_decode_profile_names_every_part_and_op_family(tiny_dir):
 def test_cli_quick_run_on_a_tiny_checkpoint_writes_json(tmp_path: Path, capsys):
     model_dir = build_checkpoint(tmp_path / "model", TINY_SHAPES["qwen3_5_text"])
     out = tmp_path / "bench.json"
-    assert cli.main(["bench", "--model", str(model_dir), "--quick", "--json", str(out)]) == 0
-    assert list(json.loads(out.read_text())["scenarios"]) == SCENARIOS
+    argv = ["bench", "--model", str(model_dir), "--quick", "--kv-dtype", "float16", "--json", str(out)]
+    assert cli.main(argv) == 0
+    document = json.loads(out.read_text())
+    assert list(document["scenarios"]) == SCENARIOS and document["run"]["kv_dtype"] == "float16"
     assert "decode_b16" in capsys.readouterr().out
 
 

@@ -96,6 +96,12 @@ def add_parser(commands: Any) -> None:
         "hybridkv quantize; q4_k_m: llama.cpp's quantizer, needs the [peers] extra)",
     )
     bench.add_argument(
+        "--kv-dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="what hybridkv's K/V cache is stored in (default: --dtype; the file's compute dtype, float32, with "
+        "--peer llama.cpp, whose own cache is float16)",
+    )
+    bench.add_argument(
         "--quantize",
         choices=["q4_k", "q6_k", "q8_0"],
         help="hybridkv quantizes the weights at load (transformers keeps --dtype): the ratio of what a user of each "
@@ -150,6 +156,7 @@ def main(args: argparse.Namespace) -> int:
             shape=SHAPES[args.shape],
             cache_dir=args.cache_dir,
             quantize=args.quantize,
+            kv_dtype=_kv_dtype(args),
         )
     except MemoryError as e:  # the weights twice, or with the cache, would not fit: say so in one line
         print(f"hybridkv bench: {e}", file=sys.stderr)
@@ -161,6 +168,12 @@ def main(args: argparse.Namespace) -> int:
         out = Console(width=160)
     print_table(document, out)
     return 0
+
+
+def _kv_dtype(args: argparse.Namespace) -> torch.dtype | None:
+    from hybridkv.cache.config import KV_DTYPES
+
+    return KV_DTYPES[args.kv_dtype] if args.kv_dtype else None
 
 
 def _speculation(args: argparse.Namespace) -> dict[str, Any]:
@@ -193,14 +206,14 @@ def _main_llama_cpp(args: argparse.Namespace, err: Any) -> int:
     log = lambda line: err.print(line, style="dim", highlight=False)  # noqa: E731
     plan = QUICK if args.quick else FULL
     if args.model is not None:
-        document = run_llama_cpp(Path(args.model), threads, plan, log)
+        document = run_llama_cpp(Path(args.model), threads, plan, log, _kv_dtype(args))
     else:  # the shape, written as a GGUF file next to its checkpoint
         from hybridkv.bench.llama_cpp import shape_file
         from hybridkv.bench.workload import SHAPES, cached_checkpoint
 
         with tempfile.TemporaryDirectory() as tmp:
             checkpoint = cached_checkpoint(SHAPES[args.shape], DTYPES[args.dtype], args.cache_dir or Path(tmp), log)
-            document = run_llama_cpp(shape_file(checkpoint, args.gguf, log), threads, plan, log)
+            document = run_llama_cpp(shape_file(checkpoint, args.gguf, log), threads, plan, log, _kv_dtype(args))
     if args.json is not None:
         write_json(document, args.json)
     out = Console()
@@ -218,8 +231,10 @@ def run(
     limits: Limits | None = None,
     cache_dir: Path | None = None,
     quantize: str | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> dict[str, Any]:
-    """Run every scenario; returns the JSON document (see `report.to_json`).
+    """Run every scenario; returns the JSON document (see `report.to_json`). `kv_dtype`: what
+    hybridkv's K/V cache is stored in (None: `dtype`).
 
     model_dir None builds `shape` (default qwen3-next-bench) in a temporary directory, or once in
     `cache_dir`; `limits` None measures the machine.
@@ -242,7 +257,8 @@ def run(
             model_dir = cached_checkpoint(shape, dtype, cache_dir or Path(tmp), log)
         _check_both_fit(weights_nbytes(model_dir, dtype), str(model_dir))
         log(f"loading {model_dir} in both engines ({str(dtype).removeprefix('torch.')})")
-        cm = CachedModel.load(model_dir, dtype=dtype, cache=CacheConfig(verify_rows=plan.verify_k), quantize=quantize)
+        cache = CacheConfig(verify_rows=plan.verify_k, kv_dtype=kv_dtype)
+        cm = CachedModel.load(model_dir, dtype=dtype, cache=cache, quantize=quantize)
         peer = load_peer(model_dir, dtype)
         if limits is None:
             log("measuring the machine's limits")
@@ -260,6 +276,7 @@ def run(
         "model_type": model_type,
         "transformers_class": type(peer).__name__,
         "dtype": str(dtype).removeprefix("torch."),
+        "kv_dtype": str(cm.cache.spec.kv_dtype).removeprefix("torch."),
         "quantize": quantize,
         "quick": quick,
         "seconds": time.perf_counter() - started,

@@ -23,6 +23,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from hybridkv.bench.machine import WeightCounts, read_bytes_per_second
 from hybridkv.bench.report import _num
 from hybridkv.bench.scenarios import Result, _median, _timed
@@ -220,17 +222,20 @@ def roofline(result: Result, read_bytes: float, probes: list[float]) -> dict[str
     }
 
 
-def run(path: Path, threads: int, plan: Plan, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Every scenario on the GGUF file at `path`; the JSON document (`print_llama_cpp` prints it)."""
-    import torch
-
+def run(
+    path: Path, threads: int, plan: Plan, log: Callable[[str], None] = print, kv_dtype: torch.dtype | None = None
+) -> dict[str, Any]:
+    """Every scenario on the GGUF file at `path`; the JSON document (`print_llama_cpp` prints it).
+    `kv_dtype`: hybridkv's K/V cache type (None: float32; llama.cpp's own is float16)."""
     from hybridkv.cache.config import CacheConfig
 
     torch.set_num_threads(threads)
     started = time.perf_counter()
     n_ctx = max(plan.prefill_lens[0], plan.decode_prompt + plan.warmup + plan.decode_steps, 2048) + 64
     log(f"loading {path} in both engines ({threads} threads)")
-    cm = CachedModel.load(path, cache=CacheConfig(max_model_len=n_ctx, max_sequences=2 * SEQUENCES + 2))
+    cm = CachedModel.load(
+        path, cache=CacheConfig(max_model_len=n_ctx, max_sequences=2 * SEQUENCES + 2, kv_dtype=kv_dtype)
+    )
     peer = LlamaCpp(path, threads, SEQUENCES * n_ctx)
     results = []
     log("prefill_512")
@@ -253,6 +258,7 @@ def run(path: Path, threads: int, plan: Plan, log: Callable[[str], None] = print
     run_info = {
         "file": str(path),
         "threads": threads,
+        "kv_dtype": str(cm.cache.spec.kv_dtype).removeprefix("torch."),  # llama.cpp's: its default, float16
         "llama_cpp_python": peer.version,
         "seconds": time.perf_counter() - started,
         "plan": {k: getattr(plan, k) for k in ("reps", "warmup", "decode_steps")},

@@ -26,7 +26,8 @@ class CacheTensors:
     """The preallocated pools. Attention layer `a` and linear layer `j` are numbered in layer order
     among layers of their own kind.
 
-    key[a], value[a]:   [num_blocks, block_size, Hkv, hd]   (compute dtype)
+    key[a], value[a]:   [num_blocks, block_size, Hkv, hd]   (`CacheSpec.kv_dtype`: the compute dtype
+                        unless `CacheConfig.kv_dtype` says otherwise)
     conv[j]:            [num_slots, C, K-1]                 float32, last column = newest input
     delta[j]:           [num_slots, Hv, dk, dv]             float32
     snap_conv[j]:       [num_snapshots, C, K-1]             float32
@@ -89,6 +90,7 @@ class ForwardBatch:
 
     is_decode: bool = field(init=False)
     """Every sequence feeds exactly one token: the recurrent step forms apply."""
+    _token_tables: tuple[torch.Tensor, torch.Tensor] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.is_decode = all(n == 1 for n in self.q_lens)
@@ -108,11 +110,14 @@ class ForwardBatch:
         """Per token: its sequence's block table row [T, max_blocks] and the positions it sees,
         kv length position + 1 [T]: a batch of few tokens (a verify, short chunks) attends token
         by token as a decode step does, every row of the batch already written. The same tensors
-        as `block_tables`, `kv_lens` when every sequence feeds one token."""
+        as `block_tables`, `kv_lens` when every sequence feeds one token. Built once a forward,
+        for its first attention layer."""
         if self.is_decode:
             return self.block_tables, self.kv_lens
-        owner = torch.repeat_interleave(torch.arange(len(self.q_lens)), torch.tensor(self.q_lens))
-        return self.block_tables.index_select(0, owner), self.positions + 1
+        if self._token_tables is None:
+            owner = torch.repeat_interleave(torch.arange(len(self.q_lens)), torch.tensor(self.q_lens))
+            self._token_tables = self.block_tables.index_select(0, owner), self.positions + 1
+        return self._token_tables
 
     # -- linear-attention layers ------------------------------------------------------------
 
