@@ -1,7 +1,8 @@
 """The machine's limits, measured on the spot, and what they allow a scenario at best (a roofline).
 
 Limits: memory read bandwidth (a sum over a tensor far larger than the caches) and matmul
-throughput in the run's dtype (the best of a few large products), each the best of a few runs.
+throughput in the run's dtype (the best of a few large products, by MKL and by the GEMM prefill
+uses, `ops.matmul.mm`: oneDNN's for float32), each the best of a few runs.
 Where the CPU has no bfloat16 GEMM (`ops.matmul.BF16_GEMM`), bfloat16 products run widened to
 float32, so a bfloat16 run's matmul limit is the float32 rate.
 A scenario's floor time is max(bytes it must read / bandwidth, FLOPs it must do / matmul rate);
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 
 from hybridkv.models import Qwen3NextModel
-from hybridkv.ops.matmul import BF16_GEMM
+from hybridkv.ops.matmul import BF16_GEMM, mm
 from hybridkv.ops.quant import QuantizedWeight
 from hybridkv.ops.quant.linear import QuantExperts, QuantLinear
 
@@ -61,7 +62,8 @@ class Limits:
         best = 0.0
         for m, k, n in ((2048, 2048, 2048), (2048, 512, 2048), (512, 512, 4096)):
             a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-            best = max(best, 2 * m * k * n / best_time(functools.partial(torch.matmul, a, b), reps))
+            for product in (torch.matmul, mm):
+                best = max(best, 2 * m * k * n / best_time(functools.partial(product, a, b), reps))
         return Limits(torch.get_num_threads(), read / 1e9, best / 1e9, str(dtype).removeprefix("torch."))
 
     def floor_seconds(self, read_bytes: float, flops: float) -> float:

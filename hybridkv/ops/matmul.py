@@ -1,10 +1,13 @@
 """Products with weights stored transposed, [in, out], chosen by how many rows they have.
 
 At decode batch sizes a product only streams its weight from memory, and how fast it streams
-depends on the method; prefill products are compute-bound and go to MKL as they are, except
-bfloat16 ones on CPUs without oneDNN's bfloat16 GEMM (no AVX512-BF16 or AMX), where PyTorch's
-fallback multiplies at ~1 GFLOP/s (`x @ w`) or ~20 (`F.linear`): those run in float32, the
-weight widened a block of columns at a time (~140 GFLOP/s on the same 2-core Zen 3).
+depends on the method; prefill products are compute-bound. Float32 ones go to oneDNN's linear
+(`torch.ops.mkldnn._linear_pointwise`, what torch.compile's CPU backend calls; `ONEDNN_F32`),
+which reads the stored weight as it lies: 1.2-1.9x MKL's `x @ w` at 64 and 512 rows on the
+0.8B shape's projections (2 threads, Zen 4, steps alternating); bfloat16 ones to `x @ w`, except
+on CPUs without oneDNN's bfloat16 GEMM (no AVX512-BF16 or AMX), where PyTorch's fallback
+multiplies at ~1 GFLOP/s (`x @ w`) or ~20 (`F.linear`): those run in float32, the weight widened
+a block of columns at a time (~140 GFLOP/s on the same 2-core Zen 3).
 """
 
 from __future__ import annotations
@@ -33,13 +36,37 @@ def _native_bf16_gemm() -> bool:
 BF16_GEMM = _native_bf16_gemm()
 
 
+def _onednn_f32() -> bool:
+    """Does oneDNN's float32 linear run here, and agree with MKL on a small product?"""
+    try:
+        x = torch.linspace(-1, 1, 40 * 64).view(40, 64)
+        w = torch.linspace(-2, 3, 64 * 48).view(64, 48)
+        y = torch.ops.mkldnn._linear_pointwise(x, w.T, None, "none", [], "")
+        return torch.backends.mkldnn.is_available() and torch.allclose(y, x @ w, rtol=1e-5, atol=1e-5)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+# Whether float32 prefill products go to oneDNN (else MKL); read once at import.
+ONEDNN_F32 = _onednn_f32()
+
+
+def gemm_t(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
+    """x [T, D] @ w_t [N, D]ᵀ → [T, N] for many rows of float32 (oneDNN where it runs, else MKL;
+    `w_t` may be a transposed view: neither copies it)."""
+    if ONEDNN_F32 and x.dtype == torch.float32 and w_t.dtype == torch.float32:
+        return torch.ops.mkldnn._linear_pointwise(x, w_t, None, "none", [], "")
+    return F.linear(x, w_t)
+
+
 def mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [T, D] @ w [D, N] → [T, N] in x's dtype.
 
     Up to FEW_ROWS rows: the C++ kernel (`native.rows_matmul`) reads w once for all rows (AVX2:
     1.2-2.9x MKL at 2-16 rows, measured on Zen 3; AVX-512: register tiles, 1.3-2x). Without it,
     one row at a time on MKL streams w on one core, so split D into one part per thread as one bmm
-    and add the parts (~1.5x the bandwidth). More rows: MKL (bfloat16: see the module docstring).
+    and add the parts (~1.5x the bandwidth). More rows: `gemm_t` (bfloat16: see the module
+    docstring).
     """
     T, D = x.shape
     if T > FEW_ROWS:
@@ -47,7 +74,7 @@ def mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             x32 = x.float()
             blocks = [x32 @ w[:, n : n + WIDEN_BLOCK].float() for n in range(0, w.shape[1], WIDEN_BLOCK)]
             return torch.cat(blocks, dim=1).to(x.dtype)
-        return x @ w
+        return gemm_t(x, w.T) if w.dtype == torch.float32 else x @ w
     if native.enabled(x, w):
         y = native.rows_matmul(x, w)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
@@ -72,7 +99,7 @@ def mm_t(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if w.dtype == torch.bfloat16 and not BF16_GEMM:
         x32 = x.float()
         return torch.cat([F.linear(x32, w[n : n + WIDEN_BLOCK].float()) for n in range(0, w.shape[0], WIDEN_BLOCK)], 1)
-    return F.linear(x.to(w.dtype), w).float()
+    return gemm_t(x.to(w.dtype), w).float()
 
 
 class Projection(Protocol):

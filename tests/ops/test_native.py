@@ -87,6 +87,22 @@ def test_bf16_prefill_products_without_a_bf16_gemm_run_in_float32(monkeypatch, w
     assert_close(matmul.mm_t(x, w.mT.contiguous()), x.float() @ w.float(), rel=1e-5 * 64**0.5)
 
 
+@pytest.mark.parametrize("onednn", [True, False])
+def test_float32_prefill_products_equal_the_float64_product(monkeypatch, onednn: bool) -> None:
+    """Many rows go to oneDNN's linear on the weight as stored (`mm`: [in, out], read through a
+    transposed view; `mm_t`: [out, in]) or, where it does not run, to MKL: the same product."""
+    from hybridkv.ops import matmul
+
+    assert matmul.ONEDNN_F32  # this CPU build of torch has it: the first case runs it
+    monkeypatch.setattr(matmul, "ONEDNN_F32", onednn)
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(70, 96, generator=gen), torch.randn(96, 130, generator=gen)
+    want = (x.double() @ w.double()).float()
+    assert_close(matmul.mm(x, w), want, rel=1e-5 * 96**0.5)
+    assert_close(matmul.mm(x[:, ::2], w[::2]), (x[:, ::2].double() @ w[::2].double()).float(), rel=1e-5 * 48**0.5)
+    assert_close(matmul.mm_t(x, w.T.contiguous()), want, rel=1e-5 * 96**0.5)
+
+
 def test_rows_matmul_t_rejects_mismatched_shapes() -> None:
     with pytest.raises(RuntimeError, match=r"x \[T, D\] @ w \[N, D\]\^T"):
         native.rows_matmul_t(torch.randn(2, 8), torch.randn(4, 9))
