@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hybridkv.cache.config import KV_DTYPES
 from hybridkv.engine.speculative import SPEC_METHODS
 from hybridkv.errors import NotSupported
 
@@ -97,7 +98,7 @@ def add_parser(commands: Any) -> None:
     )
     bench.add_argument(
         "--kv-dtype",
-        choices=["float32", "bfloat16", "float16"],
+        choices=list(KV_DTYPES),
         help="what hybridkv's K/V cache is stored in (default: --dtype; the file's compute dtype, float32, with "
         "--peer llama.cpp, whose own cache is float16)",
     )
@@ -171,8 +172,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _kv_dtype(args: argparse.Namespace) -> torch.dtype | None:
-    from hybridkv.cache.config import KV_DTYPES
-
     return KV_DTYPES[args.kv_dtype] if args.kv_dtype else None
 
 

@@ -55,7 +55,7 @@ class CacheConfig:
     kv_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
-        if self.kv_dtype not in KV_DTYPES.values() and self.kv_dtype is not None:
+        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES.values():
             raise ValueError(
                 f"CacheConfig.kv_dtype must be None or one of torch.{', torch.'.join(KV_DTYPES)}, got {self.kv_dtype!r}"
             )

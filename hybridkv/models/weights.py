@@ -271,9 +271,9 @@ class MemoryShare:
         return cls(available, copies, caches)
 
     def __str__(self) -> str:
-        return f"{self.measured()},{self.copies},{self.caches}"
+        return f"{self.available_bytes()},{self.copies},{self.caches}"
 
-    def measured(self) -> int:
+    def available_bytes(self) -> int:
         return available_memory() if self.available is None else self.available
 
     def measure(self) -> MemoryShare:
@@ -289,14 +289,15 @@ def check_memory_fit(weight_bytes: int, cache_bytes: int, share: MemoryShare | N
     """Raise `InsufficientMemory` when weights + cache exceed 90% of available memory (with a
     `share`: its copies of the weights and its caches, each cache `cache_bytes`)."""
     share = share or MemoryShare()
-    available = share.measured()
+    available = share.available_bytes()
     needed = share.copies * weight_bytes + share.caches * cache_bytes
     limit = int(MEMORY_HEADROOM * available)
     if needed > limit:
         if share.shared:
+            whose = "the replicas and a loaded spare" if share.copies > share.caches else "the replicas"
             what = (
-                f"{share.copies} copies of the weights ({format_bytes(weight_bytes)} each: the replicas and a "
-                f"loaded spare) + {share.caches} caches ({format_bytes(cache_bytes)} each)"
+                f"{share.copies} copies of the weights ({format_bytes(weight_bytes)} each: {whose}) + "
+                f"{share.caches} caches ({format_bytes(cache_bytes)} each)"
             )
         else:
             what = f"weights {format_bytes(weight_bytes)} + cache {format_bytes(cache_bytes)}"
@@ -312,7 +313,7 @@ def cache_room(weight_bytes: int, share: MemoryShare | None = None) -> int:
     `check_memory_fit`'s limit leaves beside the weights, so the machine keeps room for the rest;
     with a `share`, beside all its copies of the weights, split between its caches."""
     share = share or MemoryShare()
-    left = int(MEMORY_HEADROOM * share.measured()) - share.copies * weight_bytes
+    left = int(MEMORY_HEADROOM * share.available_bytes()) - share.copies * weight_bytes
     return max(0, int(CACHE_SHARE * left) // share.caches)
 
 

@@ -196,7 +196,10 @@ def test_a_share_counts_every_copy_of_the_weights_and_every_cache():
     assert 3 * 4 * gib + 2 * room <= 0.9 * 20 * gib
     with pytest.raises(InsufficientMemory) as e:
         check_memory_fit(4 * gib, 3 * gib + 1, share)  # 12 GiB + 2 x 3 GiB > 18 GiB
-    assert "3 copies of the weights (4.00 GiB each" in str(e.value) and "2 caches (3.00 GiB each)" in str(e.value)
+    assert "3 copies of the weights (4.00 GiB each: the replicas and a loaded spare)" in str(e.value)
+    assert "2 caches (3.00 GiB each)" in str(e.value)
+    with pytest.raises(InsufficientMemory, match=r"2 copies of the weights \(4.00 GiB each: the replicas\)"):
+        check_memory_fit(4 * gib, 6 * gib, MemoryShare(20 * gib, copies=2, caches=2))
     assert cache_room(7 * gib, share) == 0  # the weights alone take the limit: nothing left
     alone = MemoryShare(20 * gib)
     assert cache_room(4 * gib, alone) == int(0.5 * (int(0.9 * 20 * gib) - 4 * gib))
