@@ -70,3 +70,26 @@ def test_a_kv_event_endpoint_is_checked_as_a_listener(
     assert main(["serve", "--kv-events", endpoint, "--model", NO_MODEL]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and named in errors[0]
+
+
+@pytest.mark.parametrize("router", ["sglang", "vllm"])
+def test_a_router_key_starting_with_a_dash_reaches_the_router(monkeypatch: pytest.MonkeyPatch, router: str) -> None:
+    """The router's command line runs a shim that adds the key from the environment; argparse
+    would read a key starting with "-" as another flag (`secrets.token_urlsafe` gives one in 32)."""
+    import argparse
+    import importlib
+    import sys
+
+    from hybridkv.server.replicas import _ROUTER_KEY_ENV, ROUTERS, router_command
+
+    launcher = pytest.importorskip(f"{ROUTERS[router].package}.launch_router")
+    args = argparse.Namespace(router=router, host="127.0.0.1", port=8000, policy="round_robin", ssl_certfile=None)
+    worker = argparse.Namespace(url="http://127.0.0.1:9001", kv_port=None)
+    command = router_command(args, [worker], "m", 9100)
+    parsed = []
+    monkeypatch.setattr(launcher, "main", lambda: parsed.append(launcher.parse_router_args(sys.argv[1:])))
+    monkeypatch.setenv(_ROUTER_KEY_ENV, "-starts-with-a-dash")
+    monkeypatch.setattr(sys, "argv", ["-c", *command[3:]])
+    assert command[1] == "-c" and importlib.import_module(launcher.__name__) is launcher
+    exec(command[2], {})
+    assert parsed and parsed[0].api_key == "-starts-with-a-dash"
