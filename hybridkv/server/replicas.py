@@ -308,7 +308,7 @@ def router_command(args: argparse.Namespace, workers: Sequence[Worker], model_id
     """The router's command line, every flag that matters set explicitly."""
     kind = ROUTERS[args.router]
     # The key comes from the environment, so it is not in the router's command line (`ps`); joined
-    # to its flag by "=", since a key may start with "-" (a random one does, 1 in 32).
+    # to its flag by "=", since a key may start with "-" (a random one does, 1 in 64).
     shim = (
         f"import os, sys; key = os.environ.pop({_ROUTER_KEY_ENV!r}, None); "
         f"sys.argv[1:] += ['--api-key=' + key] if key else []; from {kind.package}.launch_router import main; main()"

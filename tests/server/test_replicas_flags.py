@@ -75,7 +75,7 @@ def test_a_kv_event_endpoint_is_checked_as_a_listener(
 @pytest.mark.parametrize("router", ["sglang", "vllm"])
 def test_a_router_key_starting_with_a_dash_reaches_the_router(monkeypatch: pytest.MonkeyPatch, router: str) -> None:
     """The router's command line runs a shim that adds the key from the environment; argparse
-    would read a key starting with "-" as another flag (`secrets.token_urlsafe` gives one in 32)."""
+    would read a key starting with "-" as another flag (`secrets.token_urlsafe` gives one in 64)."""
     import argparse
     import importlib
     import sys
