@@ -232,6 +232,11 @@ def parse_size(text: str, flag: str = "--cache-memory") -> int:
     return int(value * scale)
 
 
+def kv_dtype_flag(args: argparse.Namespace) -> torch.dtype | None:
+    """--kv-dtype as a dtype (None: not given, the compute dtype)."""
+    return KV_DTYPES[args.kv_dtype] if args.kv_dtype else None
+
+
 def llm_from_args(args: argparse.Namespace) -> LLM:
     """Build the LLM that `run` and `serve` drive, from the shared flags."""
     from hybridkv.engine.disk_store import default_cache_dir
@@ -258,7 +263,7 @@ def llm_from_args(args: argparse.Namespace) -> LLM:
         engine,
         max_model_len=args.max_model_len,
         snapshot_interval=args.snapshot_interval,
-        kv_dtype=KV_DTYPES[args.kv_dtype] if args.kv_dtype else None,
+        kv_dtype=kv_dtype_flag(args),
         kv_bytes=None if budget is None else budget * 7 // 10,
         snapshot_bytes=None if budget is None else budget * 3 // 10,
     )

@@ -44,6 +44,9 @@ def test_kv_dtype_stores_the_cache_as_asked(capsys: pytest.CaptureFixture[str]) 
     argv = ["generate", "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", "12", "--kv-dtype", "float16"]
     assert cli.main(argv) == 0
     assert capsys.readouterr().out == TOKENIZER.decode(greedy_ids(prompt, 12, torch.float16))
+    # The same tokens may come from a float32 cache: the flag must reach the cache itself.
+    args = cli._parser().parse_args(["generate", "a", "--kv-dtype", "float16"])
+    assert cli.llm_from_args(args).cm.cache.tensors.key[0].dtype == torch.float16
     with pytest.raises(SystemExit):
         cli.main(["generate", "a", "--kv-dtype", "int8"])
     err = capsys.readouterr().err

@@ -134,6 +134,7 @@ def add_parser(commands: Any) -> None:
 def main(args: argparse.Namespace) -> int:
     from hybridkv.bench.report import print_table, write_json
     from hybridkv.bench.workload import FULL, QUICK, SHAPES
+    from hybridkv.cli import kv_dtype_flag
 
     try:
         from rich.console import Console
@@ -157,7 +158,7 @@ def main(args: argparse.Namespace) -> int:
             shape=SHAPES[args.shape],
             cache_dir=args.cache_dir,
             quantize=args.quantize,
-            kv_dtype=_kv_dtype(args),
+            kv_dtype=kv_dtype_flag(args),
         )
     except MemoryError as e:  # the weights twice, or with the cache, would not fit: say so in one line
         print(f"hybridkv bench: {e}", file=sys.stderr)
@@ -169,10 +170,6 @@ def main(args: argparse.Namespace) -> int:
         out = Console(width=160)
     print_table(document, out)
     return 0
-
-
-def _kv_dtype(args: argparse.Namespace) -> torch.dtype | None:
-    return KV_DTYPES[args.kv_dtype] if args.kv_dtype else None
 
 
 def _speculation(args: argparse.Namespace) -> dict[str, Any]:
@@ -196,6 +193,7 @@ def _main_llama_cpp(args: argparse.Namespace, err: Any) -> int:
     from hybridkv.bench.llama_cpp import run as run_llama_cpp
     from hybridkv.bench.report import write_json
     from hybridkv.bench.workload import FULL, QUICK
+    from hybridkv.cli import kv_dtype_flag
 
     if args.model is not None and (not Path(args.model).is_file() or not args.model.endswith(".gguf")):
         raise FileNotFoundError(
@@ -205,14 +203,14 @@ def _main_llama_cpp(args: argparse.Namespace, err: Any) -> int:
     log = lambda line: err.print(line, style="dim", highlight=False)  # noqa: E731
     plan = QUICK if args.quick else FULL
     if args.model is not None:
-        document = run_llama_cpp(Path(args.model), threads, plan, log, _kv_dtype(args))
+        document = run_llama_cpp(Path(args.model), threads, plan, log, kv_dtype_flag(args))
     else:  # the shape, written as a GGUF file next to its checkpoint
         from hybridkv.bench.llama_cpp import shape_file
         from hybridkv.bench.workload import SHAPES, cached_checkpoint
 
         with tempfile.TemporaryDirectory() as tmp:
             checkpoint = cached_checkpoint(SHAPES[args.shape], DTYPES[args.dtype], args.cache_dir or Path(tmp), log)
-            document = run_llama_cpp(shape_file(checkpoint, args.gguf, log), threads, plan, log, _kv_dtype(args))
+            document = run_llama_cpp(shape_file(checkpoint, args.gguf, log), threads, plan, log, kv_dtype_flag(args))
     if args.json is not None:
         write_json(document, args.json)
     out = Console()
