@@ -330,9 +330,22 @@ class Engine:
 
     def _verify(self, verifying: list[tuple[Request, Branch, torch.Tensor]]) -> None:
         """Row 0 of every verify was sampled with the step's other rows; now rows 1.. in order,
-        each while the tokens sampled before it were its drafts, then every verify is settled."""
-        for i in range(1, max(len(rows) for *_, rows in verifying)):
-            holding = [(r, b, rows[i]) for r, b, rows in verifying if _draft_holds(b, i)]
+        each while the tokens sampled before it were its drafts, then every verify is settled.
+        A branch whose choice is a plain argmax (`RequestSampler.argmax_only`) takes all its rows'
+        tokens from one argmax and records them in order while its drafts hold: the same tokens."""
+        argmax = [(r, b, rows) for r, b, rows in verifying if b.sampler.argmax_only]
+        if argmax:
+            chosen = torch.cat([rows[1:] for *_, rows in argmax]).argmax(1).tolist()
+            start = 0
+            for request, branch, rows in argmax:
+                for i in range(1, len(rows)):
+                    if not _draft_holds(branch, i):
+                        break
+                    self._record(request, branch, chosen[start + i - 1], None, None)
+                start += len(rows) - 1
+        sampled = [v for v in verifying if not v[1].sampler.argmax_only]
+        for i in range(1, max((len(rows) for *_, rows in sampled), default=1)):
+            holding = [(r, b, rows[i]) for r, b, rows in sampled if _draft_holds(b, i)]
             if not holding:
                 break
             self._sample(holding)

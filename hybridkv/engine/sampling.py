@@ -236,6 +236,17 @@ class RequestSampler:
             self.generator.manual_seed(self.seed)
         self._prompt_ids = torch.tensor(list(prompt_ids), dtype=torch.long)
         self._prompt_seen: torch.Tensor | None = None  # bool [V], built on first use
+        p = self.params
+        # Greedy with nothing else to apply or report: the token is the row's argmax, so a batch of
+        # such rows (a verify's, or a decode step's) is one argmax, not a sampler call a row.
+        self.argmax_only = (
+            self.greedy
+            and grammar is None
+            and p.logprobs is None
+            and p.repetition_penalty == 1.0
+            and p.presence_penalty == 0.0
+            and p.frequency_penalty == 0.0
+        )
 
     @property
     def greedy(self) -> bool:
@@ -363,6 +374,9 @@ def sample_batch(
             f"need logits [N, V] with N = {len(samplers)} samplers and output lists, "
             f"got logits {tuple(logits.shape)} and {len(output_ids)} output lists"
         )
+    argmax = [i for i, s in enumerate(samplers) if s.argmax_only]
+    if len(argmax) == len(samplers):  # `sample`'s greedy choice for every row at once
+        return [SampleResult(t, None, None) for t in logits.argmax(1).tolist()]
     constrained = [i for i, s in enumerate(samplers) if s.grammar is not None]
     # The constrained rows masked in one pass, not one by one (a few small ops a row cost more
     # than the masks at batch 8).
