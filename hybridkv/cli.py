@@ -175,7 +175,7 @@ def add_speculative_flags(parser: argparse.ArgumentParser) -> None:
         "--num-speculative-tokens",
         type=int,
         metavar="K",
-        help="tokens drafted and verified per sequence and step at most (default: 8 for ngram and auto, 4 for mtp)",
+        help="tokens drafted and verified per sequence and step at most (default: 16 for ngram and auto, 4 for mtp)",
     )
     parser.add_argument(
         "--speculative-budget",

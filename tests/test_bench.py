@@ -133,11 +133,11 @@ def test_every_scenario_reports_both_engines_a_unit_and_a_ratio(document):
     ran = document["run"]["plan"]
     methods = ["ngram", "mtp", "auto"] if ran["spec_k"] is None else ["ngram"]
     assert ran["spec_methods"] == methods
-    # verify_w* up to the largest k measured: ngram's and auto's default 8, or the k given
-    assert ran["verify_k"] == (8 if ran["spec_k"] is None else ran["spec_k"])
+    # verify_w* up to the largest k measured: ngram's and auto's default 16, or the k given
+    assert ran["verify_k"] == (16 if ran["spec_k"] is None else ran["spec_k"])
     assert list(document["scenarios"]) == scenario_names(tuple(methods), ran["verify_k"])
     ks = {m: document["scenarios"][f"spec_code_edit_b1/{m}"]["k"] for m in methods}
-    assert ks == ({"ngram": 8, "mtp": 4, "auto": 8} if ran["spec_k"] is None else {"ngram": ran["spec_k"]})
+    assert ks == ({"ngram": 16, "mtp": 4, "auto": 16} if ran["spec_k"] is None else {"ngram": ran["spec_k"]})
     for name, s in document["scenarios"].items():
         assert s["hybridkv"] > 0 and s["transformers"] > 0, name
         assert s["unit"] in ("tok/s", "ms/token", "ms", "ms/step"), name

@@ -124,7 +124,7 @@ def add_parser(commands: Any) -> None:
         "--num-speculative-tokens",
         type=int,
         metavar="K",
-        help="tokens drafted per verify in spec_* (default: each method's, 8 for ngram and auto, 4 for mtp); "
+        help="tokens drafted per verify in spec_* (default: each method's, 16 for ngram and auto, 4 for mtp); "
         "verify_w* times widths 1..K+1 (default K: the largest of the measured methods')",
     )
     bench.add_argument("--json", metavar="PATH", type=Path, help="also write the figures to PATH as JSON")

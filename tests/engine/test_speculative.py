@@ -33,12 +33,27 @@ def test_ngram_lookup_proposes_what_followed_the_latest_longest_match() -> None:
     index = NgramIndex(n_min=2, n_max=3)
     index.extend([7, 1, 2, 3, 4, 8, 8, 1, 2, 3])
     assert index.propose(3) == [4, 8, 8]  # the longest match wins
-    # past the present, the loop the match implies goes on: period 6 (1 2 3 4 8 8)
-    assert index.propose(9) == [4, 8, 8, 1, 2, 3, 4, 8, 8]
+    # a 3-token match (7 and 8 before it differ) drafts NGRAM_MIN_DRAFT = 4 however many are asked
+    assert index.propose(9) == [4, 8, 8, 1]
     index.extend([42])
     assert index.propose(4) == []  # (3, 42) never seen
     index.extend([5, 5, 5])
     assert index.propose(4) == [5, 5, 5, 5]  # a run: period 1
+
+
+def test_ngram_draft_is_as_long_as_the_copy_so_far() -> None:
+    """The present has copied the earlier text for `run` tokens: the draft is that long (at
+    least 4, at most k), and a loop shorter than the draft goes on periodically."""
+    text = [50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63]
+    index = NgramIndex(n_min=2, n_max=4)
+    index.extend([9, *text, 7, *text[:6]])  # the last 6 tokens copy text[:6]; 9 and 7 before them differ
+    assert index.propose(16) == text[6:12]
+    assert index.propose(5) == text[6:11]
+    index.extend(text[6:10])  # 10 copied: a 10-token draft
+    assert index.propose(16) == text[10:14] + [7, *text[:5]]
+    index = NgramIndex(n_min=2, n_max=4)
+    index.extend([1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2])  # period 3, copied for 8 tokens
+    assert index.propose(16) == [3, 1, 2, 3, 1, 2, 3, 1]
 
 
 def test_adaptive_k_grows_on_full_accepts_shrinks_on_misses_and_pauses() -> None:
@@ -72,7 +87,7 @@ def test_bad_speculation_settings_say_what_to_change(kwargs: dict[str, Any], mat
 
 
 def test_k_defaults_by_draft_and_the_budget_is_shared() -> None:
-    assert [SpeculativeConfig(m).k for m in ("off", "ngram", "auto", "mtp")] == [0, 8, 8, 4]
+    assert [SpeculativeConfig(m).k for m in ("off", "ngram", "auto", "mtp")] == [0, 16, 16, 4]
     assert SpeculativeConfig("mtp", 6).k == 6
     spec = SpeculativeConfig("ngram", 8, draft_budget=16)
     assert [spec.per_sequence(n) for n in (0, 1, 2, 3, 8, 16, 40)] == [8, 8, 8, 5, 2, 1, 1]
@@ -204,8 +219,9 @@ def test_sequences_drafting_together_share_the_draft_budget() -> None:
     engine = EngineConfig(max_num_seqs=4, speculative=SpeculativeConfig("ngram", num_tokens=8, draft_budget=6))
     llm = LLM(cache=default_cache_config(engine, max_model_len=512), engine=engine)
     assert llm.cm.cache.config.verify_rows == 6  # min(8 × 4, max(6, 4))
-    prompt = heldout_ids()[:40] * 3  # repeats itself: lookups find long drafts
-    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    prompt = heldout_ids()[:40] * 3
+    # 48 tokens: the output repeats itself from its 18th token on, so lookups find long drafts
+    greedy = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     want = make_llm("off").generate(prompt, greedy)[0].outputs[0].token_ids
     longest: dict[int, int] = {}  # sequences verified in one step -> most drafts one of them held
     for copies in (1, 4):
