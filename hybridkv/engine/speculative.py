@@ -38,7 +38,7 @@ DEFAULT_TOKENS: dict[str, int] = {"ngram": 16, "auto": 16, "mtp": 4}
 # The shortest lookup draft: `NgramIndex.propose` drafts as many tokens as the text has been
 # copying its match, at least this many. The default model's spec prompts, each variant against
 # plain decoding in one process, 8 repetitions: code editing 1.79-1.86x with k = 8 drafted
-# always, 1.90-2.10x with k = 16 and this rule (floor 2 to 8 alike); free text 1.20-1.49x
+# always, 1.85-2.10x with k = 16 and this rule (floors 2 to 8); free text 1.20-1.49x
 # against 1.29-1.59x (floor 4), where k = 16 always measured 1.38-1.44x: a long draft pays
 # where the copy goes on, and the rule keeps 60-80% of the drafted tokens, not 30-70%.
 NGRAM_MIN_DRAFT = 4
