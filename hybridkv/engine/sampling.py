@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, cast
 
 import numpy as np
 import torch
@@ -392,7 +392,7 @@ def sample_batch(
         allowed = allowed_array([m for m in matchers if m is not None], logits.shape[1])
         raw = (logits if len(constrained) == len(samplers) else logits[constrained]).detach().to(torch.float32)
         rows = np.where(allowed, raw.numpy(), np.float32(-np.inf))
-        allows = dict(zip(constrained, allowed.any(1).tolist(), strict=True))
+        allows = dict(zip(constrained, cast(list[bool], allowed.any(axis=1).tolist()), strict=True))
         if any(samplers[i].plain_greedy for i in constrained):
             picked = dict(zip(constrained, rows.argmax(1).tolist(), strict=True))
         masked = {
