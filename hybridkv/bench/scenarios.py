@@ -434,12 +434,12 @@ def _alternating_steps(
 
 def _mask_times(llm: Any, grammar: Any, answers: list[list[int]]) -> list[float]:
     """Seconds to compute the batch's masks at each step of `answers`, as the sampler does."""
-    from hybridkv.engine.grammar import allowed_tokens
+    from hybridkv.engine.grammar import allowed_array
 
     matchers = [llm.engine.grammars.matcher(grammar) for _ in answers]
     times = []
     for step in range(min(len(a) for a in answers)):
-        times.append(_timed(lambda: allowed_tokens(matchers, llm.cm.vocab_size)))
+        times.append(_timed(lambda: allowed_array(matchers, llm.cm.vocab_size)))
         for matcher, answer in zip(matchers, answers, strict=True):
             matcher.consume(answer[step])
     return times

@@ -333,16 +333,12 @@ class Engine:
         each while the tokens sampled before it were its drafts, then every verify is settled.
         A branch whose choice is a plain argmax (`RequestSampler.argmax_only`) takes all its rows'
         tokens from one argmax and records them in order while its drafts hold: the same tokens."""
-        argmax = [(r, b, rows) for r, b, rows in verifying if b.sampler.argmax_only]
-        if argmax:
-            chosen = torch.cat([rows[1:] for *_, rows in argmax]).argmax(1).tolist()
-            start = 0
-            for request, branch, rows in argmax:
-                for i in range(1, len(rows)):
+        for request, branch, rows in verifying:
+            if branch.sampler.argmax_only:  # in place: a copy of [k, V] rows would be MBs at 248k tokens
+                for i, token in enumerate(rows[1:].argmax(1).tolist(), start=1):
                     if not _draft_holds(branch, i):
                         break
-                    self._record(request, branch, chosen[start + i - 1], None, None)
-                start += len(rows) - 1
+                    self._record(request, branch, token, None, None)
         sampled = [v for v in verifying if not v[1].sampler.argmax_only]
         for i in range(1, max((len(rows) for *_, rows in sampled), default=1)):
             holding = [(r, b, rows[i]) for r, b, rows in sampled if _draft_holds(b, i)]

@@ -376,8 +376,7 @@ def sample_batch(
             f"need logits [N, V] with N = {len(samplers)} samplers and output lists, "
             f"got logits {tuple(logits.shape)} and {len(output_ids)} output lists"
         )
-    argmax = [i for i, s in enumerate(samplers) if s.argmax_only]
-    if len(argmax) == len(samplers):  # `sample`'s greedy choice for every row at once
+    if all(s.argmax_only for s in samplers):  # `sample`'s greedy choice for every row at once
         return [SampleResult(t, None, None) for t in logits.argmax(1).tolist()]
     constrained = [i for i, s in enumerate(samplers) if s.grammar is not None]
     # The constrained rows masked in one pass, not one by one (a few small ops a row cost more
