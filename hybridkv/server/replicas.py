@@ -9,11 +9,12 @@ Workers are `hybridkv serve` processes, started with the same engine flags; `--t
 cache in an equal share of the memory `serve` reads once before any of them loads (`MemoryShare`:
 the weights counted once per worker and once for the spare), so together they fit as one process
 would. On a machine with several NUMA nodes each worker is pinned to one node's CPUs (`placement`).
-The router starts once every worker answers /health. `serve` binds the workers' sockets itself
-and keeps a spare worker loaded: when a worker dies, the spare takes over its socket (requests
-meanwhile wait in the backlog) and the router's health checks (every second) take it back; a new
-spare loads (with `--no-spare`, the dead worker is started again instead). The children die with
-`serve` (PR_SET_PDEATHSIG), and stop when it stops.
+The router starts once every worker answers /health; `serve` announces the cluster once the router
+listens (sglang-router: once its /readiness reports the workers). `serve` binds the workers'
+sockets itself and keeps a spare worker loaded: when a worker dies, the spare takes over its
+socket (requests meanwhile wait in the backlog) and the router's health checks (every second)
+take it back; a new spare loads (with `--no-spare`, the dead worker is started again instead).
+The children die with `serve` (PR_SET_PDEATHSIG), and stop when it stops.
 
 Keys (see README, "Serving on a network"): sglang-router checks clients itself with its one
 `--api-key` and sends it on to the workers, which take it; vllm-router checks nobody and forwards
@@ -389,6 +390,8 @@ def serve_replicas(args: argparse.Namespace, access: Access) -> int:
         command = router_command(args, workers, model_id, metrics_port)
         router = subprocess.Popen(command, env=env, preexec_fn=_die_with_parent)
         _wait_listening(args.host, args.port, router)
+        if args.router == "sglang":
+            _wait_ready(args, router)
         _announce(args, workers, metrics_port)
         while not stopping and router.poll() is None:
             for w in workers:
@@ -415,7 +418,7 @@ def serve_replicas(args: argparse.Namespace, access: Access) -> int:
 
 def _wait_listening(host: str, port: int, router: subprocess.Popen[bytes], timeout: float = 60) -> None:
     """Until the router accepts connections on its port (it exits: an error)."""
-    address = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
+    address = _loopback(host)
     deadline = time.monotonic() + timeout
     while router.poll() is None:
         try:
@@ -425,6 +428,31 @@ def _wait_listening(host: str, port: int, router: subprocess.Popen[bytes], timeo
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the router did not listen on {host}:{port} within {timeout:.0f} s") from None
             time.sleep(0.1)
+    raise RuntimeError(f"the router exited with status {router.returncode} while starting (its log is above)")
+
+
+def _loopback(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
+
+
+def _wait_ready(args: argparse.Namespace, router: subprocess.Popen[bytes], timeout: float = 60) -> None:
+    """Until sglang-router's /readiness answers 200: it listens before it has added the workers
+    (it checks them every second), and until then answers every request 503 "no available workers"."""
+    import httpx
+
+    host = _loopback(args.host)
+    url = f"{'https' if args.ssl_certfile else 'http'}://{f'[{host}]' if ':' in host else host}:{args.port}/readiness"
+    deadline = time.monotonic() + timeout
+    while router.poll() is None:
+        try:
+            # Loopback to our own router: its certificate may not name this address.
+            if httpx.get(url, timeout=2, verify=False).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the router did not report its replicas ready within {timeout:.0f} s ({url})")
+        time.sleep(0.1)
     raise RuntimeError(f"the router exited with status {router.returncode} while starting (its log is above)")
 
 

@@ -4,9 +4,16 @@ itself. And --help names the default router and policy."""
 
 from __future__ import annotations
 
+import argparse
+import http.server
+import subprocess
+import sys
+import threading
+
 import pytest
 
 from hybridkv.cli import main
+from hybridkv.server import replicas
 
 NO_MODEL = "/nonexistent/model"  # a refusal must come before the model would be looked for
 
@@ -93,3 +100,40 @@ def test_a_router_key_starting_with_a_dash_reaches_the_router(monkeypatch: pytes
     assert command[1] == "-c" and importlib.import_module(launcher.__name__) is launcher
     exec(command[2], {})
     assert parsed and parsed[0].api_key == "-starts-with-a-dash"
+
+
+class _Readiness(http.server.BaseHTTPRequestHandler):
+    """A stand-in sglang-router: /readiness 503 until `ready_after` requests have come in."""
+
+    seen: list[str] = []
+    ready_after = 3
+
+    def do_GET(self) -> None:
+        _Readiness.seen.append(self.path)
+        code = 200 if len(_Readiness.seen) > _Readiness.ready_after else 503
+        self.send_response(code)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_serve_announces_sglang_only_once_it_routes() -> None:
+    """sglang-router listens before it has added the workers and answers 503 meanwhile (a cluster
+    test's first request met that): serve waits for its /readiness, and a router that exits while
+    starting is an error, not a wait."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Readiness)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    args = argparse.Namespace(host="127.0.0.1", port=server.server_address[1], ssl_certfile=None)
+    router = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _Readiness.seen.clear()
+        replicas._wait_ready(args, router, timeout=30)
+        assert _Readiness.seen == ["/readiness"] * 4  # returned on the first 200, not before
+    finally:
+        router.kill()
+        router.wait()
+        server.shutdown()
+    with pytest.raises(RuntimeError, match="exited with status"):
+        replicas._wait_ready(args, router, timeout=30)
