@@ -432,6 +432,7 @@ def _wait_listening(host: str, port: int, router: subprocess.Popen[bytes], timeo
 
 
 def _loopback(host: str) -> str:
+    """The address that reaches, from this machine, a server listening on `host`."""
     return "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
 
 
