@@ -238,16 +238,11 @@ class RequestSampler:
         self._prompt_ids = torch.tensor(list(prompt_ids), dtype=torch.long)
         self._prompt_seen: torch.Tensor | None = None  # bool [V], built on first use
         p = self.params
+        self.penalises = not (p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
         # Greedy with nothing else to apply or report: the token is the (masked) row's argmax, so
         # a batch of such rows (a verify's, or a decode step's) is one argmax, not a sampler call
         # a row. `argmax_only`: and no grammar either.
-        self.plain_greedy = (
-            self.greedy
-            and p.logprobs is None
-            and p.repetition_penalty == 1.0
-            and p.presence_penalty == 0.0
-            and p.frequency_penalty == 0.0
-        )
+        self.plain_greedy = self.greedy and p.logprobs is None and not self.penalises
         self.argmax_only = self.plain_greedy and grammar is None
 
     @property
@@ -288,7 +283,7 @@ class RequestSampler:
     def _penalised(self, logits: torch.Tensor, output_ids: Sequence[int]) -> torch.Tensor:
         p = self.params
         assert p.repetition_penalty is not None
-        if p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0:
+        if not self.penalises:
             return logits
         out = torch.tensor(list(output_ids), dtype=torch.long)
         scores = logits.clone()
