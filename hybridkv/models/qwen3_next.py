@@ -22,6 +22,7 @@ decode, `native.gdn_forward`), and so does an attention layer's decode step (`na
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -36,9 +37,10 @@ from hybridkv.ops.attention import paged_attention
 from hybridkv.ops.conv import causal_conv1d, causal_conv1d_step
 from hybridkv.ops.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from hybridkv.ops.dtypes import f32
-from hybridkv.ops.matmul import FEW_ROWS, Weight, linear, mm_t, swiglu
+from hybridkv.ops.matmul import FEW_ROWS, Weight, linear, mm_t, native_plan, swiglu
 from hybridkv.ops.moe import Experts, moe_block
 from hybridkv.ops.quant.linear import QuantExperts, QuantLinear, block_matmul
+from hybridkv.ops.quant.linear import floating as quant_floating
 from hybridkv.ops.quant.weight import QuantizedWeight
 
 if TYPE_CHECKING:
@@ -246,6 +248,7 @@ class DecoderLayer(nn.Module):
         self.ffn = SparseMoE(config, dtype) if config.moe_layers[layer] else DenseMLP(config, dtype)
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self._native_plan: NativePlan | None = None  # built on the first decode step (`native_plan`)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.mix(self.input_norm(x), batch, cos, sin)
@@ -261,14 +264,116 @@ class DecoderLayer(nn.Module):
         next_norm: RMSNorm,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` given input_norm(x) → (its output, next_norm of the output): each residual add
-        taken with the norm after it (`RMSNorm.add`), for a decode step's per-layer op count."""
+        taken with the norm after it (`RMSNorm.add`), for a decode step's per-layer op count. With
+        float32 activations outside autograd, the C++ kernels run the layer in one call
+        (`native.decode_layer`, the same kernels in the same order) where its weights allow."""
+        plan = self.native_plan(next_norm) if x.dtype == torch.float32 and not torch.is_grad_enabled() else None
+        if plan is not None:
+            h, n = native.decode_layer(x, normed, plan.weights, plan.ints, plan.scalars, self._step(batch, cos, sin))
+            return (h, n) if plan.with_ffn else next_norm.add(h, self.ffn(n))
         h, n = self.post_norm.add(x, self.mix(normed, batch, cos, sin))
         return next_norm.add(h, self.ffn(n))
+
+    def native_plan(self, next_norm: RMSNorm) -> NativePlan | None:
+        """This layer as `native.decode_layer` runs it before `next_norm` (see `csrc/layer.cpp`),
+        built on first use and again whenever a weight object changed; None where the Python would
+        not run one kernel per part (a projection without a single kernel, float activations)."""
+        sources = self._plan_sources(next_norm)
+        cached = self._native_plan
+        if (
+            cached is None
+            or len(cached.sources) != len(sources)
+            or any(a is not b for a, b in zip(cached.sources, sources, strict=True))
+        ):
+            cached = self._native_plan = _build_plan(self, next_norm, sources)
+        return cached if cached.usable and not quant_floating() else None
+
+    def _plan_sources(self, next_norm: RMSNorm) -> tuple[object, ...]:
+        m, f = self.mixer, self.ffn
+        ffn = (f.gate_up, f.down) if isinstance(f, DenseMLP) else (f.gate_in, f.gate_up, f.down, f.shared_down)
+        if isinstance(m, GatedDeltaNet):
+            mixer: tuple[object, ...] = (m.in_proj, m.conv_weight, m.A_log, m.dt_bias, m.norm.weight, m.out_proj)
+        else:
+            mixer = (m.qkv_proj, m.q_norm.weight, m.k_norm.weight, m.o_proj)
+        return (*mixer, self.post_norm.weight, *ffn, next_norm.weight)
+
+    def _step(self, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> list[torch.Tensor]:
+        """This step's cache tensors in `decode_layer`'s order."""
+        m = self.mixer
+        if isinstance(m, GatedDeltaNet):
+            pools = batch.linear_pools(m.index)
+            return [*pools, batch.state_slots, batch.cu_seqlens, batch.snapshot_at, batch.snapshot_ids]
+        return [cos, sin, *batch.kv_pools(m.index), batch.slot_mapping, *batch.token_tables()]
 
     def mix(self, normed: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if isinstance(self.mixer, GatedDeltaNet):
             return self.mixer(normed, batch)
         return self.mixer(normed, batch, cos, sin)
+
+
+# `csrc/layer.cpp`'s layer kinds
+_DELTANET, _ATTENTION = 0, 1
+_FFN_NONE, _FFN_DENSE, _FFN_MOE = 0, 1, 2
+
+
+@dataclass(frozen=True, slots=True)
+class NativePlan:
+    """A decoder layer as `native.decode_layer` reads it (`DecoderLayer.native_plan`)."""
+
+    sources: tuple[object, ...]  # the weight objects it was built from, to notice a replaced one
+    usable: bool  # False: some part has no single kernel; the layer runs op by op
+    weights: list[torch.Tensor] = field(default_factory=list)
+    ints: list[int] = field(default_factory=list)
+    scalars: list[float] = field(default_factory=list)
+    with_ffn: bool = False  # the call runs the feed-forward and next norm too (else the caller does)
+
+
+def _build_plan(layer: DecoderLayer, next_norm: RMSNorm, sources: tuple[object, ...]) -> NativePlan:
+    weights: list[torch.Tensor] = []
+    ints: list[int] = []
+
+    def add(*parts: Weight) -> bool:  # projections, each one kernel
+        for w in parts:
+            plan = native_plan(w)
+            if plan is None:
+                return False
+            weights.extend(plan[0])
+            ints.extend(plan[1])
+        return True
+
+    m, f = layer.mixer, layer.ffn
+    dense = isinstance(f, DenseMLP) and native_plan(f.gate_up) is not None and native_plan(f.down) is not None
+    moe = isinstance(f, SparseMoE) and all(
+        isinstance(w, torch.Tensor) for w in (f.gate_in, f.gate_up, f.down, f.shared_down)
+    )
+    ints += [
+        _DELTANET if isinstance(m, GatedDeltaNet) else _ATTENTION,
+        _FFN_DENSE if dense else _FFN_MOE if moe else _FFN_NONE,
+    ]
+    if isinstance(m, GatedDeltaNet):
+        ints += [m.Hk, m.dk, int(m.tiled_heads)]
+        usable = add(m.in_proj)
+        weights += [m.conv_weight, m.A_log, m.dt_bias, m.norm.weight]
+        usable = usable and add(m.out_proj)
+        scalars = [m.norm.eps]
+    else:
+        ints += [m.H]
+        usable = add(m.qkv_proj)
+        weights += [m.q_norm.weight, m.k_norm.weight]
+        usable = usable and add(m.o_proj)
+        scalars = [m.q_norm.eps, m.scale]
+    weights.append(layer.post_norm.weight)
+    scalars.append(layer.post_norm.eps)
+    if isinstance(f, DenseMLP) and dense:
+        add(f.gate_up, f.down)
+    elif isinstance(f, SparseMoE) and moe:
+        ints += [f.top_k, int(f.norm_topk_prob)]
+        weights += [cast(torch.Tensor, w) for w in (f.gate_in, f.gate_up, f.down, f.shared_down)]
+    if dense or moe:
+        weights.append(next_norm.weight)
+        scalars.append(next_norm.eps)
+    usable = usable and not any(t.requires_grad or not t.is_cpu for t in weights)
+    return NativePlan(sources, usable, weights, ints, scalars, with_ffn=dense or moe)
 
 
 class Qwen3NextModel(nn.Module):

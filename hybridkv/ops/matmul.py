@@ -107,8 +107,24 @@ class Projection(Protocol):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor: ...
 
+    def native_plan(self) -> tuple[list[torch.Tensor], list[int]] | None: ...
+
 
 Weight = torch.Tensor | Projection
+
+
+# How `native.decode_layer` multiplies by a projection (`csrc/layer.cpp`): a float weight by
+# `rows_matmul`, K-quant parts by `kq_matmul_parts`, one 32-weight type's blocks by `q8_matmul`.
+FLOAT, K_PARTS, Q8_PART = 0, 1, 2
+
+
+def native_plan(w: Weight) -> tuple[list[torch.Tensor], list[int]] | None:
+    """w as `native.decode_layer` reads it: its tensors and its descriptor, the kernel `linear`
+    calls for few float32 rows; None where `linear` would not call one kernel."""
+    if isinstance(w, torch.Tensor):
+        usable = w.dim() == 2 and w.dtype in (torch.float32, torch.bfloat16) and w.is_contiguous()
+        return ([w], [FLOAT]) if usable else None
+    return w.native_plan()
 
 
 def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:

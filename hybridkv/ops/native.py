@@ -11,6 +11,7 @@ compiler, `HYBRIDKV_NATIVE=0`) and that the tests compare it with:
     moe_block(x, ...)            hybridkv.ops.moe.moe_block's PyTorch path (router, experts, shared expert)
     gdn_forward(mixed, ...)      GatedDeltaNet's PyTorch path after in_proj (conv, norms, gates, delta rule)
     attention_decode(qkv, ...)   GatedAttention's PyTorch decode step (norms, RoPE, paged attention, gate)
+    decode_layer(x, normed, ...) a decoder layer's decode step, the ops above in one call (`csrc/layer.cpp`)
 
 The build (~10 s; the system's g++, ninja from PyPI) goes to a directory of torch.utils.cpp_extension's
 root ($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions) named by a hash of what makes the
@@ -253,6 +254,23 @@ def attention_decode(
     return _ops().attention_decode(
         qkv, q_norm, k_norm, eps, cos, sin, k_pool, v_pool, slot_mapping, block_tables, kv_lens, scale, H
     )
+
+
+def decode_layer(
+    x: torch.Tensor,
+    normed: torch.Tensor,
+    weights: list[torch.Tensor],
+    plan: list[int],
+    scalars: list[float],
+    step: list[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder layer's step over few float32 rows in one call: mixer, residual add and post norm,
+    then (unless the plan leaves it to the caller) the feed-forward, residual add and the next norm.
+    The layer is `weights` and `plan` as `csrc/layer.cpp` describes them, built once by
+    `DecoderLayer.native_plan`; `step` holds this step's cache tensors. The same kernels the
+    layer's Python calls one op at a time, in the same order: the same numbers."""
+    total, normed_out = _ops().decode_layer(x, normed, weights, plan, scalars, step)
+    return total, normed_out
 
 
 def main() -> int:

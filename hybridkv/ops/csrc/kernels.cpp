@@ -23,6 +23,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "ops.h"
+
 namespace {
 
 // One vector is one machine register: 16 floats with AVX-512, 8 with AVX2. (GCC lowers a generic
@@ -1562,6 +1564,35 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 }
 
 }  // namespace
+
+// For layer.cpp (ops.h): the anonymous namespace's ops under names another file can call.
+namespace hybridkv::ops {
+at::Tensor rows_matmul(const at::Tensor& x, const at::Tensor& w) { return ::rows_matmul(x, w); }
+at::Tensor moe_block(const at::Tensor& x, const at::Tensor& gate_in, const at::Tensor& gate_up, const at::Tensor& down,
+                     const at::Tensor& shared_down, int64_t top_k, bool norm_topk) {
+  return ::moe_block(x, gate_in, gate_up, down, shared_down, top_k, norm_topk);
+}
+at::Tensor gdn_forward(const at::Tensor& mixed, const at::Tensor& conv_weight, const at::Tensor& A_log,
+                       const at::Tensor& dt_bias, const at::Tensor& norm_weight, double eps, int64_t Hk, int64_t dk,
+                       at::Tensor conv_pool, at::Tensor delta_pool, const at::Tensor& slots,
+                       const at::Tensor& cu_seqlens, at::Tensor snap_conv, at::Tensor snap_delta,
+                       const at::Tensor& snap_tokens, const at::Tensor& snap_ids, bool tiled) {
+  return ::gdn_forward(mixed, conv_weight, A_log, dt_bias, norm_weight, eps, Hk, dk, conv_pool, delta_pool, slots,
+                       cu_seqlens, snap_conv, snap_delta, snap_tokens, snap_ids, tiled);
+}
+at::Tensor attention_decode(const at::Tensor& qkv, const at::Tensor& q_norm, const at::Tensor& k_norm, double eps,
+                            const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_pool, at::Tensor v_pool,
+                            const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& kv_lens,
+                            double scale, int64_t H) {
+  return ::attention_decode(qkv, q_norm, k_norm, eps, cos, sin, k_pool, v_pool, slot_mapping, block_tables, kv_lens,
+                            scale, H);
+}
+at::Tensor silu_mul(const at::Tensor& gate_up) { return ::silu_mul(gate_up); }
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
+                                                double eps) {
+  return ::add_rms_norm(x, delta, weight, eps);
+}
+}  // namespace hybridkv::ops
 
 TORCH_LIBRARY(hybridkv, m) {
   m.def("rows_matmul(Tensor x, Tensor w) -> Tensor");

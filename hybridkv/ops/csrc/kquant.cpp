@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "experts.h"
+#include "ops.h"
 #include "simd.h"
 
 // The per-super-block functions run inside the row loops: a call would spill the vectors.
@@ -1306,6 +1307,12 @@ at::Tensor kq_repack_q4_k(const at::Tensor& rows_in, bool inverse) {
 }
 
 }  // namespace
+
+namespace hybridkv::ops {  // for layer.cpp (ops.h)
+at::Tensor kq_matmul_parts(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, const std::string& isa) {
+  return ::kq_matmul_parts(x, ws, types, isa);
+}
+}  // namespace hybridkv::ops
 
 TORCH_LIBRARY_FRAGMENT(hybridkv, m) {
   m.def("kq_isas() -> str[]", kq_isas);  // no tensor to dispatch on: one kernel for every backend

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "experts.h"
+#include "ops.h"
 #include "simd.h"
 
 namespace {
@@ -833,6 +834,12 @@ at::Tensor q8_experts_matmul(const at::Tensor& x, const at::Tensor& w, const at:
 }
 
 }  // namespace
+
+namespace hybridkv::ops {  // for layer.cpp (ops.h)
+at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type, const std::string& isa) {
+  return ::q8_matmul(x, w, ggml_type, isa);
+}
+}  // namespace hybridkv::ops
 
 TORCH_LIBRARY_FRAGMENT(hybridkv, m) {
   m.def("q8_isas() -> str[]", q8_isas);  // no tensor to dispatch on: one kernel for every backend

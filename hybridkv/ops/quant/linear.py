@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridkv.ops import native
-from hybridkv.ops.matmul import mm
+from hybridkv.ops.matmul import K_PARTS, Q8_PART, mm
 from hybridkv.ops.quant.int8_dot import native_q8_experts_matmul, native_q8_matmul
 from hybridkv.ops.quant.k_dot import native_k_experts_matmul, native_k_matmul_parts
 from hybridkv.ops.quant.traits import GGMLType
@@ -38,6 +38,11 @@ from hybridkv.ops.quant.weight import QuantizedWeight
 # 1024 features) while each tile is a GEMM large enough for MKL.
 TILE_ROWS = 4096
 _mode = threading.local()
+
+
+def floating() -> bool:
+    """Whether this thread is inside `float_activations()`."""
+    return bool(getattr(_mode, "float", False))
 
 
 @contextlib.contextmanager
@@ -135,6 +140,16 @@ class QuantLinear:
         ys = [block_matmul(x, p) if isinstance(p, QuantizedWeight) else mm(x, p) for p in self.parts]
         y = ys[0] if len(ys) == 1 else torch.cat([y.float() for y in ys], dim=-1)
         return y.to(x.dtype)
+
+    def native_plan(self) -> tuple[list[torch.Tensor], list[int]] | None:
+        """This projection as `native.decode_layer` reads it (its tensors, its descriptor: see
+        `csrc/layer.cpp`): the same kernel call `matmul` makes; None where `matmul` would not make one."""
+        if self.k_parts is not None:
+            blocks, types = self.k_parts
+            return list(blocks), [K_PARTS, len(types), *types]
+        if self.q8_part is not None:
+            return [self.q8_part[0]], [Q8_PART, self.q8_part[1]]
+        return None
 
     def dequantize(self) -> torch.Tensor:
         """W [in, out] as float32: the reference."""
