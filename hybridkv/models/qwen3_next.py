@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -276,26 +276,13 @@ class DecoderLayer(nn.Module):
 
     def native_plan(self, next_norm: RMSNorm) -> NativePlan | None:
         """This layer as `native.decode_layer` runs it before `next_norm` (see `csrc/layer.cpp`),
-        built on first use and again whenever a weight object changed; None where the Python would
-        not run one kernel per part (a projection without a single kernel, float activations)."""
-        sources = self._plan_sources(next_norm)
-        cached = self._native_plan
-        if (
-            cached is None
-            or len(cached.sources) != len(sources)
-            or any(a is not b for a, b in zip(cached.sources, sources, strict=True))
-        ):
-            cached = self._native_plan = _build_plan(self, next_norm, sources)
-        return cached if cached.usable and not quant_floating() else None
-
-    def _plan_sources(self, next_norm: RMSNorm) -> tuple[object, ...]:
-        m, f = self.mixer, self.ffn
-        ffn = (f.gate_up, f.down) if isinstance(f, DenseMLP) else (f.gate_in, f.gate_up, f.down, f.shared_down)
-        if isinstance(m, GatedDeltaNet):
-            mixer: tuple[object, ...] = (m.in_proj, m.conv_weight, m.A_log, m.dt_bias, m.norm.weight, m.out_proj)
-        else:
-            mixer = (m.qkv_proj, m.q_norm.weight, m.k_norm.weight, m.o_proj)
-        return (*mixer, self.post_norm.weight, *ffn, next_norm.weight)
+        built on first use and again whenever a weight or module it read was replaced; None where
+        the Python would not run one kernel per part (a projection without a single kernel, float
+        activations)."""
+        plan = self._native_plan
+        if plan is None or plan.next_norm is not next_norm or not all(d.get(k) is v for d, k, v in plan.sources):
+            plan = self._native_plan = _build_plan(self, next_norm)
+        return plan if plan.usable and not quant_floating() else None
 
     def _step(self, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> list[torch.Tensor]:
         """This step's cache tensors in `decode_layer`'s order."""
@@ -320,7 +307,10 @@ _FFN_NONE, _FFN_DENSE, _FFN_MOE = 0, 1, 2
 class NativePlan:
     """A decoder layer as `native.decode_layer` reads it (`DecoderLayer.native_plan`)."""
 
-    sources: tuple[object, ...]  # the weight objects it was built from, to notice a replaced one
+    next_norm: RMSNorm
+    # (where it is held, its name, the object) for every module and weight it read: a replaced
+    # one (a module's setattr) no longer is what its owner's dict holds under its name
+    sources: tuple[tuple[dict[str, Any], str, object], ...]
     usable: bool  # False: some part has no single kernel; the layer runs op by op
     weights: list[torch.Tensor] = field(default_factory=list)
     ints: list[int] = field(default_factory=list)
@@ -328,7 +318,25 @@ class NativePlan:
     with_ffn: bool = False  # the call runs the feed-forward and next norm too (else the caller does)
 
 
-def _build_plan(layer: DecoderLayer, next_norm: RMSNorm, sources: tuple[object, ...]) -> NativePlan:
+def _held_by(owner: nn.Module, name: str) -> tuple[dict[str, Any], str, object]:
+    """(the dict of `owner` that holds attribute `name`, name, its value)."""
+    for d in (owner._parameters, owner._buffers, owner._modules, vars(owner)):
+        if name in d:
+            return d, name, d[name]
+    raise AttributeError(f"{type(owner).__name__} has no {name!r}")
+
+
+def _build_plan(layer: DecoderLayer, next_norm: RMSNorm) -> NativePlan:
+    m, f = layer.mixer, layer.ffn
+    read = [(layer, "mixer"), (layer, "ffn"), (layer, "post_norm"), (layer.post_norm, "weight"), (next_norm, "weight")]
+    if isinstance(m, GatedDeltaNet):
+        read += [(m, "in_proj"), (m, "conv_weight"), (m, "A_log"), (m, "dt_bias"), (m, "norm"), (m.norm, "weight")]
+        read += [(m, "out_proj")]
+    else:
+        read += [(m, "qkv_proj"), (m, "q_norm"), (m.q_norm, "weight"), (m, "k_norm"), (m.k_norm, "weight")]
+        read += [(m, "o_proj")]
+    read += [(f, name) for name in ("gate_up", "down", "gate_in", "shared_down") if hasattr(f, name)]
+    sources = tuple(_held_by(owner, name) for owner, name in read)
     weights: list[torch.Tensor] = []
     ints: list[int] = []
 
@@ -341,7 +349,6 @@ def _build_plan(layer: DecoderLayer, next_norm: RMSNorm, sources: tuple[object, 
             ints.extend(plan[1])
         return True
 
-    m, f = layer.mixer, layer.ffn
     dense = isinstance(f, DenseMLP) and native_plan(f.gate_up) is not None and native_plan(f.down) is not None
     moe = isinstance(f, SparseMoE) and all(
         isinstance(w, torch.Tensor) for w in (f.gate_in, f.gate_up, f.down, f.shared_down)
@@ -373,7 +380,7 @@ def _build_plan(layer: DecoderLayer, next_norm: RMSNorm, sources: tuple[object, 
         weights.append(next_norm.weight)
         scalars.append(next_norm.eps)
     usable = usable and not any(t.requires_grad or not t.is_cpu for t in weights)
-    return NativePlan(sources, usable, weights, ints, scalars, with_ffn=dense or moe)
+    return NativePlan(next_norm, sources, usable, weights, ints, scalars, with_ffn=dense or moe)
 
 
 class Qwen3NextModel(nn.Module):
