@@ -3,9 +3,11 @@ the bookkeeping stays whole after every step."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import json
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,7 @@ VOCAB = 128
 def reference(family: str) -> tuple[Any, Path, Any]:
     """(transformers model, checkpoint dir, its no-cache logits function) of a family's tiny model."""
     path = Path(tempfile.mkdtemp(prefix=f"hybridkv-programs-{family}-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)  # cached for the session, removed at its end
     if family == "gguf_q8_0":  # llama.cpp's converter's file; transformers on its dequantized weights
         gguf = Path(__file__).parent / "data" / "gguf" / "qwen35moe-tiny-q8_0.gguf"
         checkpoint = GGUFCheckpoint(GGUFTensors(gguf))

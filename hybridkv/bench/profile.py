@@ -5,7 +5,9 @@
 Without --model it builds a bench shape (`workload.SHAPES`, as `hybridkv bench --shape`;
 transformers needed). It prefills `batch` random 512-token prompts, then times decode steps two
 ways: wall time per part of the model (timers around each module), and self time per op family
-(torch.profiler).
+(torch.profiler). Both run the decoder layers op by op (`layers_op_by_op`): a decode step
+otherwise takes each layer in one C++ call (`native.decode_layer`), which neither can split; the
+kernels are the same, the Python and dispatch between them (~1 ms a 0.8B Q4_K step) are not.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch import nn
 
 from hybridkv.cached_model import CachedModel
 from hybridkv.models import Qwen3NextModel
+from hybridkv.models.qwen3_next import layers_op_by_op
 
 # aten op -> family; anything else is "elementwise and other small ops".
 FAMILIES = {
@@ -53,9 +56,9 @@ FAMILIES = {
 
 
 def part_times(cm: CachedModel, step: Callable[[], object], steps: int) -> dict[str, float]:
-    """Mean ms per step spent in each kind of module (and outside them)."""
+    """Mean ms per step spent in each kind of module (and outside them), the layers op by op."""
     totals: dict[str, float] = defaultdict(float)
-    with _timers(cm.model, totals):
+    with _timers(cm.model, totals), layers_op_by_op():
         start = time.perf_counter()
         for _ in range(steps):
             step()
@@ -97,10 +100,10 @@ def _timers(model: Qwen3NextModel, totals: dict[str, float]) -> Iterator[None]:
 
 
 def op_families(step: Callable[[], object], steps: int) -> dict[str, float]:
-    """Mean ms of profiler self time per step for each op family."""
+    """Mean ms of profiler self time per step for each op family, the layers op by op."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU]) as prof, layers_op_by_op():
         for _ in range(steps):
             step()
     family_of = {op: family for family, ops in FAMILIES.items() for op in ops}

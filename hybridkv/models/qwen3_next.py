@@ -21,6 +21,7 @@ decode, `native.gdn_forward`), and so does an attention layer's decode step (`na
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
@@ -42,6 +43,7 @@ from hybridkv.ops.moe import Experts, moe_block
 from hybridkv.ops.quant.linear import QuantExperts, QuantLinear, block_matmul
 from hybridkv.ops.quant.linear import floating as quant_floating
 from hybridkv.ops.quant.weight import QuantizedWeight
+from hybridkv.ops.thread_flag import ThreadFlag
 
 if TYPE_CHECKING:
     from hybridkv.models.mtp import MTPBlock, MTPHidden
@@ -234,6 +236,16 @@ class DenseMLP(nn.Module):
         return swiglu(x, self.gate_up, self.down)
 
 
+_OP_BY_OP = ThreadFlag()
+
+
+def layers_op_by_op() -> contextlib.AbstractContextManager[None]:
+    """Within this block (this thread) decoder layers run their kernels one call each, as modules,
+    instead of one `native.decode_layer` call a layer: the same numbers, timed part by part
+    (`bench.profile`)."""
+    return _OP_BY_OP.set()
+
+
 class DecoderLayer(nn.Module):
     """h = x + mixer(norm(x)); out = h + ffn(norm(h))."""
 
@@ -267,7 +279,8 @@ class DecoderLayer(nn.Module):
         taken with the norm after it (`RMSNorm.add`), for a decode step's per-layer op count. With
         float32 activations outside autograd, the C++ kernels run the layer in one call
         (`native.decode_layer`, the same kernels in the same order) where its weights allow."""
-        plan = self.native_plan(next_norm) if x.dtype == torch.float32 and not torch.is_grad_enabled() else None
+        fused = x.dtype == torch.float32 and not torch.is_grad_enabled() and not _OP_BY_OP
+        plan = self.native_plan(next_norm) if fused else None
         if plan is not None:
             h, n = native.decode_layer(x, normed, plan.weights, plan.ints, plan.scalars, self._step(batch, cos, sin))
             return (h, n) if plan.with_ffn else next_norm.add(h, self.ffn(n))

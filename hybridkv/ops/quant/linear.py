@@ -20,8 +20,7 @@ without a kernel, and everything under `float_activations()`, dequantize a tile 
 from __future__ import annotations
 
 import contextlib
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -33,33 +32,28 @@ from hybridkv.ops.quant.int8_dot import native_q8_experts_matmul, native_q8_matm
 from hybridkv.ops.quant.k_dot import native_k_experts_matmul, native_k_matmul_parts
 from hybridkv.ops.quant.traits import GGMLType
 from hybridkv.ops.quant.weight import QuantizedWeight
+from hybridkv.ops.thread_flag import ThreadFlag
 
 # Rows of a weight dequantized at once for a many-row product: bounds the float32 copy (16 MiB at
 # 1024 features) while each tile is a GEMM large enough for MKL.
 TILE_ROWS = 4096
-_mode = threading.local()
+_FLOAT = ThreadFlag()
 
 
 def floating() -> bool:
     """Whether this thread is inside `float_activations()`."""
-    return bool(getattr(_mode, "float", False))
+    return bool(_FLOAT)
 
 
-@contextlib.contextmanager
-def float_activations() -> Iterator[None]:
+def float_activations() -> contextlib.AbstractContextManager[None]:
     """Within this block every block product dequantizes its weight and multiplies in float32."""
-    before = getattr(_mode, "float", False)
-    _mode.float = True
-    try:
-        yield
-    finally:
-        _mode.float = before
+    return _FLOAT.set()
 
 
 def block_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     """x [T, in] @ Wᵀ for a 2-D block weight → [T, out] float32: the type's integer kernel, else
     (and under `float_activations`) the weight dequantized a tile of rows at a time into a GEMM."""
-    if w.btype.matmul is not None and not getattr(_mode, "float", False):
+    if w.btype.matmul is not None and not floating():
         return w.btype.matmul(x.float(), w.blocks.contiguous())
     x32 = x.float()
     out = torch.empty(x.shape[0], w.shape[0])
@@ -132,7 +126,7 @@ class QuantLinear:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] @ W → [T, out] in x's dtype."""
         direct = self.k_parts is not None or self.q8_part is not None
-        if direct and not getattr(_mode, "float", False) and native.enabled(x):
+        if direct and not floating() and native.enabled(x):
             if self.k_parts is not None:
                 return native_k_matmul_parts(x.float(), *self.k_parts).to(x.dtype)
             if self.q8_part is not None:
@@ -201,7 +195,7 @@ def _pairs_kernel(x: torch.Tensor, part: Part) -> bool:
     return (
         isinstance(part, QuantizedWeight)
         and part.btype.matmul is not None
-        and not getattr(_mode, "float", False)
+        and not floating()
         and native.enabled(x, part.blocks)
     )
 
