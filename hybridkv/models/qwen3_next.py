@@ -39,7 +39,7 @@ from hybridkv.ops.conv import causal_conv1d, causal_conv1d_step
 from hybridkv.ops.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from hybridkv.ops.dtypes import f32
 from hybridkv.ops.matmul import FEW_ROWS, Weight, linear, mm_t, native_plan, swiglu
-from hybridkv.ops.moe import Experts, moe_block
+from hybridkv.ops.moe import PAIRS_ROWS, Experts, moe_block
 from hybridkv.ops.quant.linear import QuantExperts, QuantLinear, block_matmul
 from hybridkv.ops.quant.linear import floating as quant_floating
 from hybridkv.ops.quant.weight import QuantizedWeight
@@ -281,7 +281,7 @@ class DecoderLayer(nn.Module):
         (`native.decode_layer`, the same kernels in the same order) where its weights allow."""
         fused = x.dtype == torch.float32 and not torch.is_grad_enabled() and not _OP_BY_OP
         plan = self.native_plan(next_norm) if fused else None
-        if plan is not None:
+        if plan is not None and x.shape[0] <= plan.max_tokens:
             h, n = native.decode_layer(x, normed, plan.weights, plan.ints, plan.scalars, self._step(batch, cos, sin))
             return (h, n) if plan.with_ffn else next_norm.add(h, self.ffn(n))
         h, n = self.post_norm.add(x, self.mix(normed, batch, cos, sin))
@@ -313,7 +313,7 @@ class DecoderLayer(nn.Module):
 
 # `csrc/layer.cpp`'s layer kinds
 _DELTANET, _ATTENTION = 0, 1
-_FFN_NONE, _FFN_DENSE, _FFN_MOE = 0, 1, 2
+_FFN_NONE, _FFN_DENSE, _FFN_MOE, _FFN_BLOCK_MOE = 0, 1, 2, 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,6 +329,7 @@ class NativePlan:
     ints: list[int] = field(default_factory=list)
     scalars: list[float] = field(default_factory=list)
     with_ffn: bool = False  # the call runs the feed-forward and next norm too (else the caller does)
+    max_tokens: int = FEW_ROWS  # forwards of more tokens run op by op
 
 
 def _held_by(owner: nn.Module, name: str) -> tuple[dict[str, Any], str, object]:
@@ -353,9 +354,12 @@ def _build_plan(layer: DecoderLayer, next_norm: RMSNorm) -> NativePlan:
     weights: list[torch.Tensor] = []
     ints: list[int] = []
 
-    def add(*parts: Weight) -> bool:  # projections, each one kernel
+    def plan_of(w: Weight | QuantExperts) -> tuple[list[torch.Tensor], list[int]] | None:
+        return w.native_plan() if isinstance(w, QuantExperts) else native_plan(w)
+
+    def add(*parts: Weight | QuantExperts) -> bool:  # projections and experts, each one kernel
         for w in parts:
-            plan = native_plan(w)
+            plan = plan_of(w)
             if plan is None:
                 return False
             weights.extend(plan[0])
@@ -366,10 +370,14 @@ def _build_plan(layer: DecoderLayer, next_norm: RMSNorm) -> NativePlan:
     moe = isinstance(f, SparseMoE) and all(
         isinstance(w, torch.Tensor) for w in (f.gate_in, f.gate_up, f.down, f.shared_down)
     )
-    ints += [
-        _DELTANET if isinstance(m, GatedDeltaNet) else _ATTENTION,
-        _FFN_DENSE if dense else _FFN_MOE if moe else _FFN_NONE,
-    ]
+    block_moe = (
+        isinstance(f, SparseMoE)
+        and isinstance(f.gate_up, QuantExperts)
+        and isinstance(f.down, QuantExperts)
+        and all(plan_of(w) is not None for w in (f.gate_in, f.gate_up, f.down, f.shared_down))
+    )
+    ffn = _FFN_DENSE if dense else _FFN_MOE if moe else _FFN_BLOCK_MOE if block_moe else _FFN_NONE
+    ints += [_DELTANET if isinstance(m, GatedDeltaNet) else _ATTENTION, ffn]
     if isinstance(m, GatedDeltaNet):
         ints += [m.Hk, m.dk, int(m.tiled_heads)]
         usable = add(m.in_proj)
@@ -384,16 +392,23 @@ def _build_plan(layer: DecoderLayer, next_norm: RMSNorm) -> NativePlan:
         scalars = [m.q_norm.eps, m.scale]
     weights.append(layer.post_norm.weight)
     scalars.append(layer.post_norm.eps)
+    max_tokens = FEW_ROWS
     if isinstance(f, DenseMLP) and dense:
         add(f.gate_up, f.down)
     elif isinstance(f, SparseMoE) and moe:
         ints += [f.top_k, int(f.norm_topk_prob)]
         weights += [cast(torch.Tensor, w) for w in (f.gate_in, f.gate_up, f.down, f.shared_down)]
-    if dense or moe:
+    elif isinstance(f, SparseMoE) and block_moe:
+        # `moe.routed_experts` takes every (token, expert) pair in one call per part up to PAIRS_ROWS
+        ints += [f.top_k, int(f.norm_topk_prob), f.E, FEW_ROWS]
+        add(f.gate_in, f.gate_up, f.down, f.shared_down)
+        max_tokens = min(FEW_ROWS, PAIRS_ROWS // f.top_k)
+    with_ffn = dense or moe or block_moe
+    if with_ffn:
         weights.append(next_norm.weight)
         scalars.append(next_norm.eps)
     usable = usable and not any(t.requires_grad or not t.is_cpu for t in weights)
-    return NativePlan(next_norm, sources, usable, weights, ints, scalars, with_ffn=dense or moe)
+    return NativePlan(next_norm, sources, usable, weights, ints, scalars, with_ffn, max_tokens)
 
 
 class Qwen3NextModel(nn.Module):

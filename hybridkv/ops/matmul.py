@@ -114,8 +114,9 @@ Weight = torch.Tensor | Projection
 
 
 # How `native.decode_layer` multiplies by a projection (`csrc/layer.cpp`): a float weight by
-# `rows_matmul`, K-quant parts by `kq_matmul_parts`, one 32-weight type's blocks by `q8_matmul`.
-FLOAT, K_PARTS, Q8_PART = 0, 1, 2
+# `rows_matmul`, K-quant parts by `kq_matmul_parts`, one 32-weight type's blocks by `q8_matmul`;
+# parts of those kinds each by its own call, side by side.
+FLOAT, K_PARTS, Q8_PART, PARTS = 0, 1, 2, 3
 
 
 def native_plan(w: Weight) -> tuple[list[torch.Tensor], list[int]] | None:

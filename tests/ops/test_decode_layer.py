@@ -6,7 +6,6 @@ loop too); and transformers stays the reference for the fused path."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ from hybridkv.ops import native
 
 pytestmark = pytest.mark.skipif(native.kernels() is None, reason="C++ kernels could not be built here")
 
-Program = Callable[[CachedModel], list[torch.Tensor]]
+GGUF = Path(__file__).parents[1] / "data" / "gguf"
 
 
 def _program(cm: CachedModel) -> list[torch.Tensor]:
@@ -107,20 +106,37 @@ def test_qwen3_next_layers_in_one_call_equal_op_by_op(
 def test_qwen35_layers_in_one_call_equal_op_by_op(
     moe: bool, quantize: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # 256 wide, so at q4_k every projection is Q4_K (K-quant parts in one call); a MoE's block
-    # experts are left to the Python (the call stops after the mixer), its float experts are not
+    # 256 wide, so at q4_k every projection is Q4_K (K-quant parts in one call), the experts too
     width = dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, shared_expert_intermediate_size=256)
     hf = make_qwen35(moe=moe, seed=4, **width)
     one, two = _load_both(save_qwen35(hf, tmp_path), quantize=quantize)
     fused, calls = _run(one, True, monkeypatch)
     plans = [layer._native_plan for layer in one.model.layers]
     assert all(plan is not None and plan.usable for plan in plans)
-    assert [plan.with_ffn for plan in plans if plan is not None] == [not (moe and quantize)] * len(plans)
+    assert all(plan is not None and plan.with_ffn for plan in plans)
     op_by_op, _ = _run(two, False, monkeypatch)
     assert calls == 9 * len(plans)
     _assert_same(fused, op_by_op)
     if quantize is None:
         assert max_rel_err(fused[-1], qwen35_logits(hf, one.tokens(1))[-3:]) <= 1e-4
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["qwen35moe-k-q4_k_m.gguf", "qwen3next-wide-q4_k_m.gguf", "qwen35moe-tiny-q8_0.gguf", "qwen35-tiny-q8_0.gguf"],
+)
+def test_llama_cpp_files_layers_in_one_call_equal_op_by_op(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # llama.cpp's converter and quantizer's files (tests/data/gguf): their type mixtures, experts
+    # of K-quants and 32-weight types, per-layer fallbacks
+    one, two = _load_both(GGUF / name)
+    fused, calls = _run(one, True, monkeypatch)
+    plans = [layer._native_plan for layer in one.model.layers]
+    assert all(plan is not None and plan.usable and plan.with_ffn for plan in plans), [
+        (plan.usable, plan.with_ffn) for plan in plans if plan is not None
+    ]
+    assert calls == 9 * len(plans)
+    op_by_op, _ = _run(two, False, monkeypatch)
+    _assert_same(fused, op_by_op)
 
 
 def test_a_replaced_weight_rebuilds_the_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -167,7 +183,9 @@ def test_a_bad_plan_is_an_error_naming_it_and_changes_no_cache() -> None:
         ([7, 0], [], [], "unknown mixer kind 7"),
         ([1, 5], [], [], "unknown feed-forward kind 5"),
         ([0, 0], [], [], "the plan ends early"),
-        ([1, 0, 2, 3, 0], layer, [], "unknown projection kind 3"),
+        ([1, 0, 2, 9, 0], layer, [], "unknown projection kind 9"),
+        ([1, 0, 2, 3, 1, 7, 0], layer, [], "unknown projection part kind 7"),
+        ([1, 0, 2, 3, 0, 0], layer, [], "a projection of 0 parts"),
         (attention, layer[:4], [], "reads more than the 4 weights given"),
         (attention, [*layer, w], [1e-6, 0.5, 1e-6], "the plan reads 5 of 6 weights and 5 of 5 integers"),
         (attention, layer, [1e-6], "this layer takes 3 scalars, got 1"),

@@ -1312,6 +1312,10 @@ namespace hybridkv::ops {  // for layer.cpp (ops.h)
 at::Tensor kq_matmul_parts(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, const std::string& isa) {
   return ::kq_matmul_parts(x, ws, types, isa);
 }
+at::Tensor kq_experts_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ids, int64_t ggml_type,
+                             const std::string& isa) {
+  return ::kq_experts_matmul(x, w, ids, ggml_type, isa);
+}
 }  // namespace hybridkv::ops
 
 TORCH_LIBRARY_FRAGMENT(hybridkv, m) {

@@ -1,6 +1,6 @@
-// A decoder layer's decode step in one call (see `hybridkv.ops.decode_layer`): the same kernels,
-// in the same order, that the layer's Python runs one op at a time, so the same numbers; only the
-// ~8 Python calls and their dispatch go (3-4 ms of a 20 ms Q4_K step on the 0.8B shape).
+// A decoder layer's decode step in one call (`hybridkv.ops.native.decode_layer`): the same
+// kernels and ATen ops, in the same order, that the layer's Python runs one call at a time, so the
+// same numbers; only the Python and dispatch between them go (README: "Where decode time goes").
 //
 //   h, n = post_norm.add(x, mixer(normed));  x', normed' = next_norm.add(h, ffn(n))
 //
@@ -13,8 +13,12 @@
 //   ffn     NONE: return (h, n) after the mixer; the caller runs its feed-forward
 //           DENSE: (gate_up, down, next_norm)   MOE: top_k, norm_topk  (gate_in, gate_up, down,
 //           shared_down, next_norm: float experts, the `moe_block` kernel)
+//           BLOCK_MOE: top_k, norm_topk, E, few_rows  (gate_in, gate_up experts, down experts,
+//           shared_down, next_norm: experts in a file's blocks, `ops.moe.moe_block`'s ops)
 //   projection descriptor: FLOAT (one [in, out] tensor: rows_matmul) | K_PARTS n type_1..type_n
 //           (n K-quant row blocks: kq_matmul_parts) | Q8 type (one 32-weight type's rows: q8_matmul)
+//           | PARTS n (kind_i [type_i]) × n (parts of those kinds, each its own call, side by side)
+//   experts descriptor: n, then (is a 32-weight type, ggml type) per part  (n [E, N_i, row bytes])
 //
 // `scalars`: the mixer's norm eps (DELTANET) or its q/k norm eps and softmax scale (ATTENTION),
 // post_norm's eps, next_norm's eps. `step`: this step's cache tensors, DELTANET: conv, delta,
@@ -33,8 +37,8 @@
 namespace {
 
 enum : int64_t { DELTANET = 0, ATTENTION = 1 };
-enum : int64_t { FFN_NONE = 0, FFN_DENSE = 1, FFN_MOE = 2 };
-enum : int64_t { FLOAT = 0, K_PARTS = 1, Q8 = 2 };
+enum : int64_t { FFN_NONE = 0, FFN_DENSE = 1, FFN_MOE = 2, FFN_BLOCK_MOE = 3 };
+enum : int64_t { FLOAT = 0, K_PARTS = 1, Q8 = 2, PARTS = 3 };
 
 // Reads `weights` and `plan` front to back, checking that neither runs out.
 struct Reader {
@@ -52,34 +56,79 @@ struct Reader {
   }
 };
 
-// A projection as its descriptor says: FLOAT or Q8 (one tensor) or K_PARTS (n).
+// A projection as its descriptor says: FLOAT or Q8 (one tensor), K_PARTS (n), or PARTS (n parts
+// of those three kinds, each its own call, the results side by side: `QuantLinear.matmul`'s loop).
 struct Projection {
-  int64_t kind = FLOAT, type = 0;
+  int64_t kind = FLOAT;
   std::vector<at::Tensor> parts;
-  std::vector<int64_t> types;
+  std::vector<int64_t> kinds, types;  // per part (K_PARTS: its types; PARTS: each part's kind and type)
 
   explicit Projection(Reader& r) : kind(r.integer()) {
-    TORCH_CHECK(kind == FLOAT || kind == K_PARTS || kind == Q8, "decode_layer: unknown projection kind ", kind);
-    if (kind == Q8) type = r.integer();
-    const int64_t n = kind == K_PARTS ? r.integer() : 1;
+    TORCH_CHECK(kind >= FLOAT && kind <= PARTS, "decode_layer: unknown projection kind ", kind);
+    const int64_t n = kind == K_PARTS || kind == PARTS ? r.integer() : 1;
     TORCH_CHECK(n > 0, "decode_layer: a projection of ", n, " parts");
-    for (int64_t i = 0; kind == K_PARTS && i < n; ++i) types.push_back(r.integer());
+    for (int64_t i = 0; i < n; ++i) {
+      kinds.push_back(kind == PARTS ? r.integer() : kind == K_PARTS ? K_PARTS : kind);
+      TORCH_CHECK(kinds.back() >= FLOAT && kinds.back() <= Q8, "decode_layer: unknown projection part kind ",
+                  kinds.back());
+      types.push_back(kinds.back() == FLOAT ? 0 : r.integer());
+    }
     for (int64_t i = 0; i < n; ++i) parts.push_back(r.tensor());
   }
 
   // x [T, in] @ W → [T, out] float32
   at::Tensor operator()(const at::Tensor& x) const {
-    if (kind == FLOAT) return hybridkv::ops::rows_matmul(x, parts[0]);
-    if (kind == Q8) return hybridkv::ops::q8_matmul(x, parts[0], type, "auto");
-    return hybridkv::ops::kq_matmul_parts(x, parts, types, "auto");
+    if (kind == K_PARTS) return hybridkv::ops::kq_matmul_parts(x, parts, types, "auto");
+    std::vector<at::Tensor> ys;
+    for (size_t i = 0; i < parts.size(); ++i) {
+      if (kinds[i] == FLOAT)
+        ys.push_back(hybridkv::ops::rows_matmul(x, parts[i]));
+      else if (kinds[i] == Q8)
+        ys.push_back(hybridkv::ops::q8_matmul(x, parts[i], types[i], "auto"));
+      else
+        ys.push_back(hybridkv::ops::kq_matmul_parts(x, {parts[i]}, {types[i]}, "auto"));
+    }
+    return ys.size() == 1 ? ys[0] : at::cat(ys, -1);
   }
 };
 
+// Experts in a file's blocks, as descriptor `n, (is_32_weight_type, ggml type) × n` and n tensors
+// [E, N_i, row bytes]: row p of x times expert ids[p]'s rows, each part one kernel call
+// (`QuantExperts.pairs_matmul`).
+struct BlockExperts {
+  std::vector<at::Tensor> parts;
+  std::vector<int64_t> types, small;
+
+  explicit BlockExperts(Reader& r) {
+    const int64_t n = r.integer();
+    TORCH_CHECK(n > 0, "decode_layer: experts of ", n, " parts");
+    for (int64_t i = 0; i < n; ++i) small.push_back(r.integer()), types.push_back(r.integer());
+    for (int64_t i = 0; i < n; ++i) parts.push_back(r.tensor());
+  }
+
+  at::Tensor operator()(const at::Tensor& x, const at::Tensor& ids) const {
+    std::vector<at::Tensor> ys;
+    for (size_t i = 0; i < parts.size(); ++i)
+      ys.push_back(small[i] ? hybridkv::ops::q8_experts_matmul(x, parts[i], ids, types[i], "auto")
+                            : hybridkv::ops::kq_experts_matmul(x, parts[i], ids, types[i], "auto"));
+    return ys.size() == 1 ? ys[0] : at::cat(ys, -1);
+  }
+};
+
+// silu(gate)·up as `ops.matmul.silu_mul` takes it: the kernel up to `few_rows` rows, else ATen's ops.
+at::Tensor silu_mul(const at::Tensor& gate_up, int64_t few_rows) {
+  if (gate_up.size(0) <= few_rows) return hybridkv::ops::silu_mul(gate_up);
+  const auto halves = gate_up.chunk(2, -1);
+  return at::silu(halves[0]) * halves[1];
+}
+
 // The whole plan read (and its counts checked) before anything runs: a bad plan changes no cache.
 struct Layer {
-  int64_t mixer, ffn, Hk = 0, dk = 0, H = 0, top_k = 0;
+  int64_t mixer, ffn, Hk = 0, dk = 0, H = 0, top_k = 0, E = 0, few_rows = 0;
   bool tiled = false, norm_topk = false;
   std::vector<Projection> projections;  // in_proj, out_proj | qkv_proj, o_proj; then gate_up, down
+                                        // (DENSE) or gate_in, shared_down (BLOCK_MOE)
+  std::vector<BlockExperts> experts;    // gate_up, down (BLOCK_MOE)
   std::vector<at::Tensor> tensors;      // conv_weight, A_log, dt_bias, norm | q_norm, k_norm; post_norm;
                                         // gate_in, gate_up, down, shared_down (MOE); next_norm
 
@@ -87,8 +136,7 @@ struct Layer {
     Reader r{weights, plan};
     mixer = r.integer(), ffn = r.integer();
     TORCH_CHECK(mixer == DELTANET || mixer == ATTENTION, "decode_layer: unknown mixer kind ", mixer);
-    TORCH_CHECK(ffn == FFN_NONE || ffn == FFN_DENSE || ffn == FFN_MOE, "decode_layer: unknown feed-forward kind ",
-                ffn);
+    TORCH_CHECK(ffn >= FFN_NONE && ffn <= FFN_BLOCK_MOE, "decode_layer: unknown feed-forward kind ", ffn);
     if (mixer == DELTANET) {
       Hk = r.integer(), dk = r.integer(), tiled = r.integer() != 0;
       projections.emplace_back(r);
@@ -106,12 +154,35 @@ struct Layer {
     } else if (ffn == FFN_MOE) {
       top_k = r.integer(), norm_topk = r.integer() != 0;
       for (int i = 0; i < 4; ++i) tensors.push_back(r.tensor());
+    } else if (ffn == FFN_BLOCK_MOE) {
+      top_k = r.integer(), norm_topk = r.integer() != 0, E = r.integer(), few_rows = r.integer();
+      projections.emplace_back(r);  // gate_in
+      experts.emplace_back(r);
+      experts.emplace_back(r);
+      projections.emplace_back(r);  // shared_down
     }
     if (ffn != FFN_NONE) tensors.push_back(r.tensor());  // next_norm
     TORCH_CHECK(r.w == weights.size() && r.p == plan.size(), "decode_layer: the plan reads ", r.w, " of ",
                 weights.size(), " weights and ", r.p, " of ", plan.size(), " integers");
   }
 };
+
+// `ops.moe.moe_block` on experts in a file's blocks, op for op (router softmax and top-k, every
+// (token, expert) pair of the step in one kernel call per part, the gated shared expert).
+at::Tensor block_moe(const Layer& l, const at::Tensor& x) {
+  const int64_t T = x.size(0), k = l.top_k;
+  const at::Tensor logits = l.projections[2](x);
+  const auto parts = logits.split_with_sizes({l.E, 1, logits.size(-1) - l.E - 1}, -1);
+  const at::Tensor probs = at::softmax(parts[0], -1, at::kFloat);
+  auto [weights, chosen] = probs.topk(k, -1);
+  if (l.norm_topk) weights = weights / weights.sum(-1, true);
+  const at::Tensor ids = chosen.flatten();
+  const at::Tensor xs = T == 1 ? x.expand({k, -1}) : x.repeat_interleave(k, 0);
+  const at::Tensor y = l.experts[1](silu_mul(l.experts[0](xs, ids), l.few_rows), ids);
+  const at::Tensor routed = (y * weights.reshape({-1, 1})).view({T, k, -1}).sum(1);
+  const at::Tensor shared = l.projections[3](silu_mul(parts[2], l.few_rows));
+  return routed + shared * at::sigmoid(parts[1]);
+}
 
 std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& x, const at::Tensor& normed, at::TensorList weights,
                                                 at::IntArrayRef plan, at::ArrayRef<double> scalars,
@@ -139,10 +210,13 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& x, const at::T
   }
   auto [h, n] = hybridkv::ops::add_rms_norm(x, l.projections[1](o), t[next], scalars[s]);
   if (l.ffn == FFN_NONE) return {h, n};
-  const at::Tensor out = l.ffn == FFN_DENSE
-                             ? l.projections[3](hybridkv::ops::silu_mul(l.projections[2](n)))
-                             : hybridkv::ops::moe_block(n, t[next + 1], t[next + 2], t[next + 3], t[next + 4],
-                                                        l.top_k, l.norm_topk);
+  at::Tensor out;
+  if (l.ffn == FFN_DENSE)
+    out = l.projections[3](hybridkv::ops::silu_mul(l.projections[2](n)));
+  else if (l.ffn == FFN_MOE)
+    out = hybridkv::ops::moe_block(n, t[next + 1], t[next + 2], t[next + 3], t[next + 4], l.top_k, l.norm_topk);
+  else
+    out = block_moe(l, n);
   return hybridkv::ops::add_rms_norm(h, out, t.back(), scalars[s + 1]);
 }
 

@@ -839,6 +839,10 @@ namespace hybridkv::ops {  // for layer.cpp (ops.h)
 at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type, const std::string& isa) {
   return ::q8_matmul(x, w, ggml_type, isa);
 }
+at::Tensor q8_experts_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ids, int64_t ggml_type,
+                             const std::string& isa) {
+  return ::q8_experts_matmul(x, w, ids, ggml_type, isa);
+}
 }  // namespace hybridkv::ops
 
 TORCH_LIBRARY_FRAGMENT(hybridkv, m) {

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridkv.ops import native
-from hybridkv.ops.matmul import K_PARTS, Q8_PART, mm
+from hybridkv.ops.matmul import FLOAT, K_PARTS, PARTS, Q8_PART, mm
 from hybridkv.ops.quant.int8_dot import native_q8_experts_matmul, native_q8_matmul
 from hybridkv.ops.quant.k_dot import native_k_experts_matmul, native_k_matmul_parts
 from hybridkv.ops.quant.traits import GGMLType
@@ -143,7 +143,15 @@ class QuantLinear:
             return list(blocks), [K_PARTS, len(types), *types]
         if self.q8_part is not None:
             return [self.q8_part[0]], [Q8_PART, self.q8_part[1]]
-        return None
+        ints = [PARTS, len(self.parts)]
+        for p in self.parts:  # each part its own kernel, as the loop in `matmul`
+            if isinstance(p, QuantizedWeight) and p.has_kernel:
+                ints += [K_PARTS if p.btype.vec_dot_type == GGMLType.Q8_K else Q8_PART, int(p.btype.ggml_type)]
+            elif isinstance(p, torch.Tensor) and p.dtype in (torch.float32, torch.bfloat16) and p.is_contiguous():
+                ints.append(FLOAT)
+            else:
+                return None
+        return [p.blocks if isinstance(p, QuantizedWeight) else p for p in self.parts], ints
 
     def dequantize(self) -> torch.Tensor:
         """W [in, out] as float32: the reference."""
@@ -171,6 +179,18 @@ class QuantExperts:
     def dequantize(self) -> torch.Tensor:
         """The experts' W [E, in, out] as float32: the reference."""
         return torch.cat([p.dequantize().mT if isinstance(p, QuantizedWeight) else p.float() for p in self.parts], -1)
+
+    def native_plan(self) -> tuple[list[torch.Tensor], list[int]] | None:
+        """These experts as `native.decode_layer` reads them (see `csrc/layer.cpp`): each part's
+        blocks and (whether a 32-weight type, its ggml type), the kernels `pairs_matmul` calls;
+        None where it would not call one per part."""
+        parts = [p for p in self.parts if isinstance(p, QuantizedWeight) and p.has_kernel]
+        if len(parts) != len(self.parts):
+            return None
+        ints = [len(parts)]
+        for p in parts:
+            ints += [int(p.btype.block_elems == 32), int(p.btype.ggml_type)]
+        return [p.blocks for p in parts], ints
 
     def expert(self, e: int) -> QuantLinear:
         return QuantLinear(tuple(_expert_part(p, e) for p in self.parts))
