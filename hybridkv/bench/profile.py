@@ -7,7 +7,7 @@ transformers needed). It prefills `batch` random 512-token prompts, then times d
 ways: wall time per part of the model (timers around each module), and self time per op family
 (torch.profiler). Both run the decoder layers op by op (`layers_op_by_op`): a decode step
 otherwise takes each layer in one C++ call (`native.decode_layer`), which neither can split; the
-kernels are the same, the Python and dispatch between them (~1 ms a 0.8B Q4_K step) are not.
+kernels are the same, the Python and dispatch between them (1–1.5 ms a 0.8B Q4_K step) are not.
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ checkpoint names) so the forward pass does a few large matmuls and plain splits.
 stored transposed, [in, out], and applied as `x @ W` (`ops.matmul.mm`): at decode batch sizes that
 streams at up to twice the memory bandwidth of `F.linear`'s x @ Wᵀ, and decode is bandwidth-bound.
 When `ops.native` is built, a linear layer runs as one C++ kernel after in_proj (prefill and
-decode, `native.gdn_forward`), and so does an attention layer's decode step (`native.attention_decode`).
+decode, `native.gdn_forward`), and so does an attention layer's decode step (`native.attention_decode`);
+a forward of up to 32 tokens (decode, verify) runs each whole decoder layer as one call of those
+kernels (`native.decode_layer`, planned once per layer: `DecoderLayer.native_plan`).
 
     linear layer  in_proj  [D, q | k | v | z | b | a]  (the checkpoint groups qkvz and ba per key head)
     attention     qkv_proj [D, q | gate | k | v]        (the checkpoint interleaves q/gate per head)
@@ -290,8 +292,8 @@ class DecoderLayer(nn.Module):
     def native_plan(self, next_norm: RMSNorm) -> NativePlan | None:
         """This layer as `native.decode_layer` runs it before `next_norm` (see `csrc/layer.cpp`),
         built on first use and again whenever a weight or module it read was replaced; None where
-        the Python would not run one kernel per part (a projection without a single kernel, float
-        activations)."""
+        the Python would not run one kernel per part (a projection part without a kernel, or
+        inside `float_activations()`)."""
         plan = self._native_plan
         if plan is None or plan.next_norm is not next_norm or not all(d.get(k) is v for d, k, v in plan.sources):
             plan = self._native_plan = _build_plan(self, next_norm)
@@ -366,7 +368,7 @@ def _build_plan(layer: DecoderLayer, next_norm: RMSNorm) -> NativePlan:
             ints.extend(plan[1])
         return True
 
-    dense = isinstance(f, DenseMLP) and native_plan(f.gate_up) is not None and native_plan(f.down) is not None
+    dense = isinstance(f, DenseMLP) and all(plan_of(w) is not None for w in (f.gate_up, f.down))
     moe = isinstance(f, SparseMoE) and all(
         isinstance(w, torch.Tensor) for w in (f.gate_in, f.gate_up, f.down, f.shared_down)
     )

@@ -13,11 +13,12 @@ compiler, `HYBRIDKV_NATIVE=0`) and that the tests compare it with:
     attention_decode(qkv, ...)   GatedAttention's PyTorch decode step (norms, RoPE, paged attention, gate)
     decode_layer(x, normed, ...) a decoder layer's decode step, the ops above in one call (`csrc/layer.cpp`)
 
-The build (~10 s; the system's g++, ninja from PyPI) goes to a directory of torch.utils.cpp_extension's
-root ($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions) named by a hash of what makes the
-library — the sources' bytes, the flags, torch's version — and of this CPU's features (the code is
-built with -march=native), never by where the sources lie: every checkout of the same sources on
-this machine loads the one library, which is opened directly when it exists (no ninja run).
+The build (1–2.5 min on 2 cores; the system's g++, ninja from PyPI) goes to a directory of
+torch.utils.cpp_extension's root ($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions) named
+by a hash of what makes the library — the sources' bytes, the flags, torch's version — and of this
+CPU's features (the code is built with -march=native), never by where the sources lie: every
+checkout of the same sources on this machine loads the one library, which is opened directly when
+it exists (no ninja run).
 """
 
 from __future__ import annotations
