@@ -24,9 +24,10 @@ pytestmark = pytest.mark.skipif(native.kernels() is None, reason="C++ kernels co
 GGUF = Path(__file__).parents[1] / "data" / "gguf"
 
 
-def _program(cm: CachedModel) -> list[torch.Tensor]:
+def _program(cm: CachedModel) -> tuple[list[torch.Tensor], list[int]]:
     """Prefill two sequences, decode them together (snapshots every 2 tokens), fork one, decode
-    three, truncate to a snapshot and feed 3 tokens at once: every logits row produced."""
+    three, truncate the second to a snapshot and feed it 3 tokens at once: every logits row
+    produced, and the second sequence's tokens (the last rows are its last 3)."""
     gen = torch.Generator().manual_seed(1)
     V = cm.vocab_size
 
@@ -48,12 +49,12 @@ def _program(cm: CachedModel) -> list[torch.Tensor]:
     cm.truncate(b, point)
     out.append(cm.feed({b: ids(3)}, logits="all")[b])
     cm.cache.check_integrity()
-    return out
+    return out, cm.tokens(b)
 
 
-def _run(cm: CachedModel, fused: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[torch.Tensor], int]:
-    """The program's logits on `cm`, with layers in one call or op by op, and how many layer
-    calls went to `native.decode_layer`."""
+def _run(cm: CachedModel, fused: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[torch.Tensor], list[int], int]:
+    """The program's logits and tokens on `cm`, with layers in one call or op by op, and how many
+    layer calls went to `native.decode_layer`."""
     calls = 0
     real = native.decode_layer
 
@@ -64,7 +65,8 @@ def _run(cm: CachedModel, fused: bool, monkeypatch: pytest.MonkeyPatch) -> tuple
 
     with monkeypatch.context() as m, contextlib.nullcontext() if fused else layers_op_by_op():
         m.setattr(native, "decode_layer", counted)
-        return _program(cm), calls
+        rows, tokens = _program(cm)
+        return rows, tokens, calls
 
 
 def _load_both(path: Path, **kwargs: Any) -> tuple[CachedModel, CachedModel]:
@@ -88,8 +90,8 @@ def test_qwen3_next_layers_in_one_call_equal_op_by_op(
 ) -> None:
     hf = make_hf_model(seed=3)
     one, two = _load_both(save_checkpoint(hf, tmp_path, dtype), dtype=dtype, quantize=quantize)
-    fused, calls = _run(one, True, monkeypatch)
-    op_by_op, none = _run(two, False, monkeypatch)
+    fused, tokens, calls = _run(one, True, monkeypatch)
+    op_by_op, _, none = _run(two, False, monkeypatch)
     layers = len(one.model.layers)
     # the 18-token prefill, 4 + 3 decode steps and the 3-token feed: each a forward of <= 32 tokens;
     # with bfloat16 weights only decode steps have float32 activations, the rest run op by op
@@ -98,7 +100,7 @@ def test_qwen3_next_layers_in_one_call_equal_op_by_op(
     _assert_same(fused, op_by_op)
     if dtype == torch.float32 and quantize is None:  # the fused path is also transformers'
         seq_rows = fused[-1]
-        assert max_rel_err(seq_rows, hf_logits(hf, one.tokens(1))[-3:]) <= 1e-4
+        assert max_rel_err(seq_rows, hf_logits(hf, tokens)[-3:]) <= 1e-4
 
 
 @pytest.mark.parametrize("quantize", [None, "q4_k"])
@@ -110,15 +112,15 @@ def test_qwen35_layers_in_one_call_equal_op_by_op(
     width = dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, shared_expert_intermediate_size=256)
     hf = make_qwen35(moe=moe, seed=4, **width)
     one, two = _load_both(save_qwen35(hf, tmp_path), quantize=quantize)
-    fused, calls = _run(one, True, monkeypatch)
+    fused, tokens, calls = _run(one, True, monkeypatch)
     plans = [layer._native_plan for layer in one.model.layers]
     assert all(plan is not None and plan.usable for plan in plans)
     assert all(plan is not None and plan.with_ffn for plan in plans)
-    op_by_op, _ = _run(two, False, monkeypatch)
+    op_by_op, _, _ = _run(two, False, monkeypatch)
     assert calls == 9 * len(plans)
     _assert_same(fused, op_by_op)
     if quantize is None:
-        assert max_rel_err(fused[-1], qwen35_logits(hf, one.tokens(1))[-3:]) <= 1e-4
+        assert max_rel_err(fused[-1], qwen35_logits(hf, tokens)[-3:]) <= 1e-4
 
 
 @pytest.mark.parametrize(
@@ -129,13 +131,13 @@ def test_llama_cpp_files_layers_in_one_call_equal_op_by_op(name: str, monkeypatc
     # llama.cpp's converter and quantizer's files (tests/data/gguf): their type mixtures, experts
     # of K-quants and 32-weight types, per-layer fallbacks
     one, two = _load_both(GGUF / name)
-    fused, calls = _run(one, True, monkeypatch)
+    fused, _, calls = _run(one, True, monkeypatch)
     plans = [layer._native_plan for layer in one.model.layers]
     assert all(plan is not None and plan.usable and plan.with_ffn for plan in plans), [
         (plan.usable, plan.with_ffn) for plan in plans if plan is not None
     ]
     assert calls == 9 * len(plans)
-    op_by_op, _ = _run(two, False, monkeypatch)
+    op_by_op, _, _ = _run(two, False, monkeypatch)
     _assert_same(fused, op_by_op)
 
 
@@ -149,9 +151,9 @@ def test_a_replaced_weight_rebuilds_the_plan(tmp_path: Path, monkeypatch: pytest
     for cm in (one, two):  # the same new out_proj in both: a plan built on the old one would not see it
         mixer = cm.model.layers[0].mixer
         mixer.out_proj = torch.nn.Parameter(mixer.out_proj.detach() * 0.5, requires_grad=False)
-    fused, _ = _run(one, True, monkeypatch)
+    fused, _, _ = _run(one, True, monkeypatch)
     assert layer._native_plan is not first
-    op_by_op, _ = _run(two, False, monkeypatch)
+    op_by_op, _, _ = _run(two, False, monkeypatch)
     _assert_same(fused, op_by_op)
 
 
@@ -159,10 +161,10 @@ def test_a_projection_without_one_kernel_runs_op_by_op(tmp_path: Path, monkeypat
     hf = make_hf_model(seed=6)
     cm = CachedModel.load(save_checkpoint(hf, tmp_path))
     monkeypatch.setattr(qwen3_next, "native_plan", lambda w: None)
-    rows, calls = _run(cm, True, monkeypatch)
+    rows, tokens, calls = _run(cm, True, monkeypatch)
     assert calls == 0
     assert all(not layer._native_plan.usable for layer in cm.model.layers)
-    assert max_rel_err(rows[-1], hf_logits(hf, cm.tokens(1))[-3:]) <= 1e-4
+    assert max_rel_err(rows[-1], hf_logits(hf, tokens)[-3:]) <= 1e-4
 
 
 def test_a_bad_plan_is_an_error_naming_it_and_changes_no_cache() -> None:

@@ -137,7 +137,8 @@ class QuantLinear:
 
     def native_plan(self) -> tuple[list[torch.Tensor], list[int]] | None:
         """This projection as `native.decode_layer` reads it (its tensors, its descriptor: see
-        `csrc/layer.cpp`): the same kernel call `matmul` makes; None where `matmul` would not make one."""
+        `csrc/layer.cpp`): the kernel calls `matmul` makes for few float32 rows, one for all the
+        parts or one per part; None where some part has no kernel."""
         if self.k_parts is not None:
             blocks, types = self.k_parts
             return list(blocks), [K_PARTS, len(types), *types]
