@@ -334,6 +334,17 @@ class NativePlan:
     max_tokens: int = FEW_ROWS  # forwards of more tokens run op by op
 
 
+@dataclass(frozen=True, slots=True)
+class _NativeStack:
+    """Every layer's `NativePlan` joined for `native.decode_layer` with counts (`Qwen3NextModel._native_stack`)."""
+
+    plans: tuple[NativePlan, ...]  # the plans it joins: a rebuilt plan makes a new stack
+    weights: list[torch.Tensor]
+    ints: list[int]
+    scalars: list[float]
+    counts: list[int]  # per layer: weights, ints, scalars, step tensors
+
+
 def _held_by(owner: nn.Module, name: str) -> tuple[dict[str, Any], str, object]:
     """(the dict of `owner` that holds attribute `name`, name, its value)."""
     for d in (owner._parameters, owner._buffers, owner._modules, vars(owner)):
@@ -428,6 +439,7 @@ class Qwen3NextModel(nn.Module):
         self.embed: torch.Tensor | QuantizedWeight = _weight(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self._stack: _NativeStack | None = None  # every layer's plan joined (`_native_stack`)
         self.lm_head: Weight | None = (  # [D, V]; a tied model multiplies by the embedding [V, D] instead
             None if config.tie_word_embeddings else _weight(config.hidden_size, config.vocab_size, dtype=dtype)
         )
@@ -465,9 +477,14 @@ class Qwen3NextModel(nn.Module):
             # the per-layer ops around the kernels.
             layers = cast(list[DecoderLayer], list(self.layers))
             normed = layers[0].input_norm(x)
-            for i, decoder in enumerate(layers):
-                after = layers[i + 1].input_norm if i + 1 < len(layers) else self.norm
-                x, normed = decoder.forward_normed(x, normed, batch, cos, sin, after)
+            stack = self._native_stack(layers, x)
+            if stack is not None:  # every layer in one call
+                step = [t for layer in layers for t in layer._step(batch, cos, sin)]
+                x, normed = native.decode_layer(x, normed, stack.weights, stack.ints, stack.scalars, step, stack.counts)
+            else:
+                for i, decoder in enumerate(layers):
+                    after = layers[i + 1].input_norm if i + 1 < len(layers) else self.norm
+                    x, normed = decoder.forward_normed(x, normed, batch, cos, sin, after)
         else:
             for layer in self.layers:
                 x = layer(x, batch, cos, sin)
@@ -481,6 +498,36 @@ class Qwen3NextModel(nn.Module):
         if logits_indices is not None:
             normed = normed.index_select(0, logits_indices)
         return self.head(normed)
+
+    def _native_stack(self, layers: list[DecoderLayer], x: torch.Tensor) -> _NativeStack | None:
+        """Every layer's plan joined for one `native.decode_layer` with counts call, where every layer would
+        run in one call of its own with its feed-forward (else None: layer by layer)."""
+        if x.dtype != torch.float32 or torch.is_grad_enabled() or _OP_BY_OP:
+            return None
+        plans = []
+        for i, layer in enumerate(layers):
+            plan = layer.native_plan(layers[i + 1].input_norm if i + 1 < len(layers) else self.norm)
+            if plan is None or not plan.with_ffn or x.shape[0] > plan.max_tokens:
+                return None
+            plans.append(plan)
+        stack = self._stack
+        if (
+            stack is None
+            or len(stack.plans) != len(plans)
+            or any(a is not b for a, b in zip(stack.plans, plans, strict=True))
+        ):
+            stack = self._stack = _NativeStack(
+                tuple(plans),
+                [t for p in plans for t in p.weights],
+                [i for p in plans for i in p.ints],
+                [f for p in plans for f in p.scalars],
+                [
+                    n
+                    for p in plans
+                    for n in (len(p.weights), len(p.ints), len(p.scalars), 8 if p.ints[0] == _DELTANET else 7)
+                ],
+            )
+        return stack
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] → embeddings [T, D] in the compute dtype."""

@@ -11,7 +11,7 @@ compiler, `HYBRIDKV_NATIVE=0`) and that the tests compare it with:
     moe_block(x, ...)            hybridkv.ops.moe.moe_block's PyTorch path (router, experts, shared expert)
     gdn_forward(mixed, ...)      GatedDeltaNet's PyTorch path after in_proj (conv, norms, gates, delta rule)
     attention_decode(qkv, ...)   GatedAttention's PyTorch decode step (norms, RoPE, paged attention, gate)
-    decode_layer(x, normed, ...) a decoder layer's decode step, the ops above in one call (`csrc/layer.cpp`)
+    decode_layer(x, normed, ...) a decoder layer's decode step (or every layer's), the ops above in one call
 
 The build (1–2.5 min on 2 cores; the system's g++, ninja from PyPI) goes to a directory of
 torch.utils.cpp_extension's root ($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions) named
@@ -264,13 +264,21 @@ def decode_layer(
     plan: list[int],
     scalars: list[float],
     step: list[torch.Tensor],
+    counts: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A decoder layer's step over few float32 rows in one call: mixer, residual add and post norm,
     then (unless the plan leaves it to the caller) the feed-forward, residual add and the next norm.
     The layer is `weights` and `plan` as `csrc/layer.cpp` describes them, built once by
     `DecoderLayer.native_plan`; `step` holds this step's cache tensors. The same kernels the
-    layer's Python calls one op at a time, in the same order: the same numbers."""
-    total, normed_out = _ops().decode_layer(x, normed, weights, plan, scalars, step)
+    layer's Python calls one op at a time, in the same order: the same numbers.
+
+    With `counts`, every layer of a forward in one call (the `decode_layers` op): layer i reads the
+    next counts[4i], counts[4i+1], counts[4i+2] and counts[4i+3] entries of weights, plan, scalars
+    and step. Every plan is read and checked before any layer runs; each must run its feed-forward."""
+    if counts is None:
+        total, normed_out = _ops().decode_layer(x, normed, weights, plan, scalars, step)
+    else:
+        total, normed_out = _ops().decode_layers(x, normed, weights, plan, scalars, step, counts)
     return total, normed_out
 
 

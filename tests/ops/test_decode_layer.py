@@ -60,7 +60,7 @@ def _run(cm: CachedModel, fused: bool, monkeypatch: pytest.MonkeyPatch) -> tuple
 
     def counted(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
         nonlocal calls
-        calls += 1
+        calls += 1 if len(args) == 6 else len(args[6]) // 4  # counts: 4 a layer
         return real(*args)
 
     with monkeypatch.context() as m, contextlib.nullcontext() if fused else layers_op_by_op():
@@ -196,6 +196,13 @@ def test_a_bad_plan_is_an_error_naming_it_and_changes_no_cache() -> None:
             native.decode_layer(x, x, weights, plan, scalars, step)
     with pytest.raises(RuntimeError, match="takes 7 step tensors, got 6"):
         native.decode_layer(x, x, layer, attention, [1e-6, 0.5, 1e-6], step[:6])
+    scalars = [1e-6, 0.5, 1e-6]
+    with pytest.raises(RuntimeError, match="counts are 4 a layer, got 3"):
+        native.decode_layer(x, x, layer, attention, scalars, step, [5, 5, 3])
+    with pytest.raises(RuntimeError, match="layer 0's counts run past the lists"):
+        native.decode_layer(x, x, layer, attention, scalars, step, [6, 5, 3, 7])
+    with pytest.raises(RuntimeError, match="layer 0 leaves its feed-forward to the caller"):
+        native.decode_layer(x, x, layer, attention, scalars, step, [5, 5, 3, 7])
     with pytest.raises(RuntimeError, match="x and normed must be float32"):
         native.decode_layer(x, x.double(), layer, attention, [1e-6, 0.5, 1e-6], step)
     assert not k_pool.any()  # nothing written

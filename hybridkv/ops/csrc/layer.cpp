@@ -184,18 +184,22 @@ at::Tensor block_moe(const Layer& l, const at::Tensor& x) {
   return routed + shared * at::sigmoid(parts[1]);
 }
 
-std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& x, const at::Tensor& normed, at::TensorList weights,
-                                                at::IntArrayRef plan, at::ArrayRef<double> scalars,
-                                                at::TensorList step) {
+// The layer's checks that need its inputs: scalars and step tensors counted, x and normed alike.
+void check_inputs(const Layer& l, const at::Tensor& x, const at::Tensor& normed, at::ArrayRef<double> scalars,
+                  at::TensorList step) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && normed.scalar_type() == at::kFloat && x.dim() == 2 &&
                   x.sizes() == normed.sizes(),
               "decode_layer: x and normed must be float32 [T, D] alike, got ", x.sizes(), " and ", normed.sizes());
-  const Layer l(weights, plan);
   // the mixer's scalars, then post_norm's eps, then next_norm's unless the caller runs the ffn
-  const size_t s = l.mixer == DELTANET ? 1 : 2, wanted = s + (l.ffn == FFN_NONE ? 1 : 2);
+  const size_t wanted = (l.mixer == DELTANET ? 1 : 2) + (l.ffn == FFN_NONE ? 1 : 2);
   TORCH_CHECK(scalars.size() == wanted, "decode_layer: this layer takes ", wanted, " scalars, got ", scalars.size());
   const size_t steps = l.mixer == DELTANET ? 8 : 7;
   TORCH_CHECK(step.size() == steps, "decode_layer: this layer takes ", steps, " step tensors, got ", step.size());
+}
+
+std::tuple<at::Tensor, at::Tensor> run_layer(const Layer& l, const at::Tensor& x, const at::Tensor& normed,
+                                             at::ArrayRef<double> scalars, at::TensorList step) {
+  const size_t s = l.mixer == DELTANET ? 1 : 2;  // post_norm's eps in scalars
   const std::vector<at::Tensor>& t = l.tensors;
   at::Tensor o;
   size_t next = 0;  // the next of l.tensors after the mixer's
@@ -220,12 +224,55 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& x, const at::T
   return hybridkv::ops::add_rms_norm(h, out, t.back(), scalars[s + 1]);
 }
 
+std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& x, const at::Tensor& normed, at::TensorList weights,
+                                                at::IntArrayRef plan, at::ArrayRef<double> scalars,
+                                                at::TensorList step) {
+  const Layer l(weights, plan);
+  check_inputs(l, x, normed, scalars, step);
+  return run_layer(l, x, normed, scalars, step);
+}
+
+// Every layer of a forward, one after the other: layer i's weights, plan, scalars and step tensors
+// are the next counts[4i .. 4i+4) of each list. Every plan is read and checked before any runs.
+std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& x, const at::Tensor& normed, at::TensorList weights,
+                                                 at::IntArrayRef plan, at::ArrayRef<double> scalars,
+                                                 at::TensorList step, at::IntArrayRef counts) {
+  TORCH_CHECK(counts.size() % 4 == 0, "decode_layers: counts are 4 a layer, got ", counts.size());
+  std::vector<Layer> layers;
+  std::vector<at::ArrayRef<double>> layer_scalars;
+  std::vector<at::TensorList> layer_steps;
+  size_t w = 0, p = 0, s = 0, t = 0;
+  for (size_t i = 0; i < counts.size(); i += 4) {
+    const auto cw = static_cast<size_t>(counts[i]), cp = static_cast<size_t>(counts[i + 1]),
+               cs = static_cast<size_t>(counts[i + 2]), ct = static_cast<size_t>(counts[i + 3]);
+    TORCH_CHECK(w + cw <= weights.size() && p + cp <= plan.size() && s + cs <= scalars.size() && t + ct <= step.size(),
+                "decode_layers: layer ", i / 4, "'s counts run past the lists");
+    layers.emplace_back(weights.slice(w, cw), plan.slice(p, cp));
+    layer_scalars.push_back(scalars.slice(s, cs));
+    layer_steps.push_back(step.slice(t, ct));
+    check_inputs(layers.back(), x, normed, layer_scalars.back(), layer_steps.back());
+    TORCH_CHECK(layers.back().ffn != FFN_NONE, "decode_layers: layer ", i / 4, " leaves its feed-forward to the caller");
+    w += cw, p += cp, s += cs, t += ct;
+  }
+  TORCH_CHECK(w == weights.size() && p == plan.size() && s == scalars.size() && t == step.size(),
+              "decode_layers: the counts leave part of the lists unread");
+  at::Tensor h = x, n = normed;
+  for (size_t i = 0; i < layers.size(); ++i) std::tie(h, n) = run_layer(layers[i], h, n, layer_scalars[i], layer_steps[i]);
+  return {h, n};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hybridkv, m) {
   m.def(
       "decode_layer(Tensor x, Tensor normed, Tensor[] weights, int[] plan, float[] scalars, Tensor(a!)[] step) "
       "-> (Tensor, Tensor)");
+  m.def(
+      "decode_layers(Tensor x, Tensor normed, Tensor[] weights, int[] plan, float[] scalars, Tensor(a!)[] step, "
+      "int[] counts) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(hybridkv, CPU, m) { m.impl("decode_layer", decode_layer); }
+TORCH_LIBRARY_IMPL(hybridkv, CPU, m) {
+  m.impl("decode_layer", decode_layer);
+  m.impl("decode_layers", decode_layers);
+}
