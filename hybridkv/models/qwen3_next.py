@@ -248,6 +248,12 @@ def layers_op_by_op() -> contextlib.AbstractContextManager[None]:
     return _OP_BY_OP.set()
 
 
+def _fusable(x: torch.Tensor) -> bool:
+    """Whether layers may run as `native.decode_layer` calls on activations x: float32, outside
+    autograd and outside `layers_op_by_op()` (each layer's plan decides the rest)."""
+    return x.dtype == torch.float32 and not torch.is_grad_enabled() and not _OP_BY_OP
+
+
 class DecoderLayer(nn.Module):
     """h = x + mixer(norm(x)); out = h + ffn(norm(h))."""
 
@@ -281,8 +287,7 @@ class DecoderLayer(nn.Module):
         taken with the norm after it (`RMSNorm.add`), for a decode step's per-layer op count. With
         float32 activations outside autograd, the C++ kernels run the layer in one call
         (`native.decode_layer`, the same kernels in the same order) where its weights allow."""
-        fused = x.dtype == torch.float32 and not torch.is_grad_enabled() and not _OP_BY_OP
-        plan = self.native_plan(next_norm) if fused else None
+        plan = self.native_plan(next_norm) if _fusable(x) else None
         if plan is not None and x.shape[0] <= plan.max_tokens:
             h, n = native.decode_layer(x, normed, plan.weights, plan.ints, plan.scalars, self._step(batch, cos, sin))
             return (h, n) if plan.with_ffn else next_norm.add(h, self.ffn(n))
@@ -502,7 +507,7 @@ class Qwen3NextModel(nn.Module):
     def _native_stack(self, layers: list[DecoderLayer], x: torch.Tensor) -> _NativeStack | None:
         """Every layer's plan joined for one `native.decode_layer` with counts call, where every layer would
         run in one call of its own with its feed-forward (else None: layer by layer)."""
-        if x.dtype != torch.float32 or torch.is_grad_enabled() or _OP_BY_OP:
+        if not _fusable(x):
             return None
         plans = []
         for i, layer in enumerate(layers):

@@ -37,7 +37,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -416,19 +416,31 @@ def serve_replicas(args: argparse.Namespace, access: Access) -> int:
             signal.signal(s, handler)
 
 
+def _wait_router(router: subprocess.Popen[bytes], ready: Callable[[], bool], failure: str, timeout: float) -> None:
+    """Until `ready()` (polled every 0.1 s); `failure` (an error) past `timeout` seconds, an error
+    too if the router exits meanwhile."""
+    deadline = time.monotonic() + timeout
+    while router.poll() is None:
+        if ready():
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(failure)
+        time.sleep(0.1)
+    raise RuntimeError(f"the router exited with status {router.returncode} while starting (its log is above)")
+
+
 def _wait_listening(host: str, port: int, router: subprocess.Popen[bytes], timeout: float = 60) -> None:
     """Until the router accepts connections on its port (it exits: an error)."""
     address = _loopback(host)
-    deadline = time.monotonic() + timeout
-    while router.poll() is None:
+
+    def listening() -> bool:
         try:
             socket.create_connection((address, port), timeout=1).close()
-            return
+            return True
         except OSError:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the router did not listen on {host}:{port} within {timeout:.0f} s") from None
-            time.sleep(0.1)
-    raise RuntimeError(f"the router exited with status {router.returncode} while starting (its log is above)")
+            return False
+
+    _wait_router(router, listening, f"the router did not listen on {host}:{port} within {timeout:.0f} s", timeout)
 
 
 def _loopback(host: str) -> str:
@@ -441,27 +453,27 @@ def _wait_ready(args: argparse.Namespace, router: subprocess.Popen[bytes], timeo
     (it checks them every second), and until then answers every request 503 "no available workers"."""
     import httpx
 
-    host = _loopback(args.host)
-    url = f"{'https' if args.ssl_certfile else 'http'}://{f'[{host}]' if ':' in host else host}:{args.port}/readiness"
-    deadline = time.monotonic() + timeout
-    while router.poll() is None:
+    from hybridkv.server.serve import url
+
+    readiness = url(_loopback(args.host), args.port, "https" if args.ssl_certfile else "http") + "/readiness"
+
+    def ready() -> bool:
         try:
             # Loopback to our own router: its certificate may not name this address.
-            if httpx.get(url, timeout=2, verify=False).status_code == 200:
-                return
+            return httpx.get(readiness, timeout=2, verify=False).status_code == 200
         except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the router did not report its replicas ready within {timeout:.0f} s ({url})")
-        time.sleep(0.1)
-    raise RuntimeError(f"the router exited with status {router.returncode} while starting (its log is above)")
+            return False
+
+    failure = f"the router did not report its replicas ready within {timeout:.0f} s ({readiness})"
+    _wait_router(router, ready, failure, timeout)
 
 
 def _announce(args: argparse.Namespace, workers: Sequence[Worker], metrics_port: int) -> None:
-    scheme = "https" if args.ssl_certfile else "http"
-    host = f"[{args.host}]" if ":" in args.host else args.host
+    from hybridkv.server.serve import url
+
+    where = url(args.host, args.port, "https" if args.ssl_certfile else "http")
     print(
-        f"hybridkv: serving on {scheme}://{host}:{args.port} through {args.router}-router (policy {args.policy}), "
+        f"hybridkv: serving on {where} through {args.router}-router (policy {args.policy}), "
         f"{len(workers)} replicas on {', '.join(w.url for w in workers)}; "
         f"cluster metrics on http://127.0.0.1:{metrics_port}/metrics",
         file=sys.stderr,

@@ -55,11 +55,12 @@ def bind(host: str, port: int) -> socket.socket:
             why = "not an address of this machine; check --host"
         else:
             why = e.strerror or str(e)
-        raise PortUnavailable(f"cannot listen on {_url(host, port)}: {why}") from None
+        raise PortUnavailable(f"cannot listen on {url(host, port)}: {why}") from None
     return sock
 
 
-def _url(host: str, port: int, scheme: str = "http") -> str:
+def url(host: str, port: int, scheme: str = "http") -> str:
+    """scheme://host:port, an IPv6 host in brackets."""
     return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
@@ -137,7 +138,7 @@ def serve(
     keys = f", {len(access.keys)} API key{'s' if len(access.keys) != 1 else ''}" if access.keys else ""
 
     def announce(address: tuple[str, int]) -> None:
-        where = _url(*address, scheme=scheme)
+        where = url(*address, scheme=scheme)
         print(f"hybridkv: serving {llm.source.description} as model {model_id!r} on {where}{keys}", file=sys.stderr)
 
     make_server(llm, model_id, host, port, grace, access, announce, kv_events, **tls).run(sockets=[sock])
