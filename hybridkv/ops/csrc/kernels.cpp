@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "parallel.h"
 
 namespace {
 
@@ -241,7 +242,7 @@ void columns(const float* x, int64_t T, int64_t D, const W* w, int64_t N, float*
 template <typename F>
 void parallel_columns(int64_t groups, int64_t N, int64_t chunk, F&& body) {
   const int64_t chunks = (N + chunk - 1) / chunk;
-  at::parallel_for(0, groups * chunks, 1, [&](int64_t begin, int64_t end) {
+  hybridkv::claimed_for(groups * chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end;) {
       const int64_t g = i / chunks, c = i % chunks;
       const int64_t c_end = std::min(end - g * chunks, chunks);  // contiguous run within group g
@@ -545,7 +546,8 @@ at::Tensor rows_matmul_t(const at::Tensor& x_in, const at::Tensor& w) {
   // of x on 2 KiB rows 1.7x; float32 rows at 2+ rows of x 1.1-1.8x slower.
   const bool one_stream = T == 1 || D * static_cast<int64_t>(w.element_size()) < 4096;
   auto stream = [&](const auto* xp, const auto* wp) {
-    at::parallel_for(0, (N + GROUP - 1) / GROUP, 64, [&](int64_t begin, int64_t end) {
+    const int64_t groups = (N + GROUP - 1) / GROUP;
+    hybridkv::claimed_for(groups, hybridkv::claim_items(GROUP * D * static_cast<int64_t>(sizeof(*wp)), 1), [&](int64_t begin, int64_t end) {
       const int64_t stop = std::min(N, end * GROUP);
       for (int64_t n = begin * GROUP; n < stop;) {
         const int64_t left = one_stream ? 0 : stop - n;  // one stream: always the one-row form below
@@ -563,7 +565,7 @@ at::Tensor rows_matmul_t(const at::Tensor& x_in, const at::Tensor& w) {
           n += 1;
         }
       }
-    });
+    }, 64);
   };
   with_weight_type(w, [&](auto* wp) {
     if constexpr (BF16_DOT && std::is_same_v<std::remove_cv_t<std::remove_pointer_t<decltype(wp)>>, at::BFloat16>) {
@@ -1100,7 +1102,7 @@ at::Tensor gdn_forward(const at::Tensor& mixed_in, const at::Tensor& conv_weight
   float* op = out.data_ptr<float>();
   const float *alp = a_log.data_ptr<float>(), *bp = bias.data_ptr<float>(), *nwp = nw.data_ptr<float>();
   const bool vectors = dv % LANES == 0;
-  at::parallel_for(0, N * Hv, 1, [&](int64_t begin, int64_t end) {
+  hybridkv::claimed_for(N * Hv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> u(dv), o(dv);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n = item / Hv, h = item % Hv, key_head = tiled ? h % Hk : h / r;
@@ -1292,7 +1294,7 @@ at::Tensor attention_decode_impl(const at::Tensor& qkv, const at::Tensor& q_norm
   const int64_t items = first[G];
   std::vector<float> part_max(base[items]), part_sum(base[items]), part_acc(base[items] * hd);
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  hybridkv::claimed_for(items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, spare(hd);  // spare: where padding rows of a tile sum to
     std::vector<const float*> q_of, w_of;
     std::vector<float*> acc_of;

@@ -33,6 +33,7 @@
 
 #include "experts.h"
 #include "ops.h"
+#include "parallel.h"
 #include "simd.h"
 
 // The per-super-block functions run inside the row loops: a call would spill the vectors.
@@ -1006,7 +1007,7 @@ void matmul_impl(const Q8K& xq, const uint8_t* w, int64_t N, float* y, int64_t l
 #ifdef HYBRIDKV_ZMM
     if constexpr (kDecoded<KT>) {
       if (T >= 2 && T <= Decoded<KT>::MAX_T && T < ROWS16_FROM) {  // a few rows (batched decode, a verify)
-        at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+        hybridkv::claimed_for(N, hybridkv::claim_items(nb * KT::bytes), [&](int64_t n0, int64_t n1) {
           for (int64_t n = n0; n < n1; ++n) {
             const uint8_t* wr = w + n * nb * KT::bytes;
             float* yn = y + n;
@@ -1065,7 +1066,7 @@ void matmul_impl(const Q8K& xq, const uint8_t* w, int64_t N, float* y, int64_t l
     }
   }
 #endif
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+  hybridkv::claimed_for(N, hybridkv::claim_items(nb * KT::bytes), [&](int64_t n0, int64_t n1) {
     int64_t n = n0;
 #ifdef __AVX2__
     if constexpr (I == Isa::Avx2)
@@ -1225,7 +1226,7 @@ void experts_impl(const Q8K& xq, const uint8_t* w, const int64_t* ids, int64_t N
   std::vector<int64_t> pairs, start;
   hybridkv::group_by_expert(ids, P, pairs, start);
   const int64_t G = static_cast<int64_t>(start.size()) - 1;
-  at::parallel_for(0, G * N, 16, [&](int64_t u0, int64_t u1) {
+  hybridkv::claimed_for(G * N, hybridkv::claim_items(row_bytes), [&](int64_t u0, int64_t u1) {
 #ifdef __AVX2__
     std::vector<__m256> acc(TILE_T);
 #endif

@@ -28,6 +28,7 @@
 
 #include "experts.h"
 #include "ops.h"
+#include "parallel.h"
 #include "simd.h"
 
 namespace {
@@ -735,7 +736,7 @@ void matmul_impl(const int8_t* a, const float* dx, const float* sx, int64_t T, c
   }
 #endif
   const std::vector<int32_t> off = lane_offsets<I>(a, T, nb);
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+  hybridkv::claimed_for(N, hybridkv::claim_items(nb * B::BYTES), [&](int64_t n0, int64_t n1) {
     std::vector<float> dw(nb);
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* wr = w + n * nb * B::BYTES;
@@ -801,7 +802,7 @@ void experts_impl(const int8_t* a, const float* dx, const float* sx, int64_t P, 
   hybridkv::group_by_expert(ids, P, pairs, start);
   const int64_t G = static_cast<int64_t>(start.size()) - 1;
   const std::vector<int32_t> off = lane_offsets<I>(a, P, nb);
-  at::parallel_for(0, G * N, 16, [&](int64_t u0, int64_t u1) {
+  hybridkv::claimed_for(G * N, hybridkv::claim_items(row_bytes), [&](int64_t u0, int64_t u1) {
     std::vector<float> dw(nb);
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t g = u / N, n = u % N;
