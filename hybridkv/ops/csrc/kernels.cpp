@@ -547,7 +547,8 @@ at::Tensor rows_matmul_t(const at::Tensor& x_in, const at::Tensor& w) {
   const bool one_stream = T == 1 || D * static_cast<int64_t>(w.element_size()) < 4096;
   auto stream = [&](const auto* xp, const auto* wp) {
     const int64_t groups = (N + GROUP - 1) / GROUP;
-    hybridkv::claimed_for(groups, hybridkv::claim_items(GROUP * D * static_cast<int64_t>(sizeof(*wp)), 1), [&](int64_t begin, int64_t end) {
+    const int64_t claim = hybridkv::claim_items(GROUP * D * static_cast<int64_t>(sizeof(*wp)), 1);
+    hybridkv::claimed_for(groups, claim, [&](int64_t begin, int64_t end) {
       const int64_t stop = std::min(N, end * GROUP);
       for (int64_t n = begin * GROUP; n < stop;) {
         const int64_t left = one_stream ? 0 : stop - n;  // one stream: always the one-row form below
