@@ -24,6 +24,7 @@ kernels (`native.decode_layer`, planned once per layer: `DecoderLayer.native_pla
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
@@ -300,7 +301,7 @@ class DecoderLayer(nn.Module):
         the Python would not run one kernel per part (a projection part without a kernel, or
         inside `float_activations()`)."""
         plan = self._native_plan
-        if plan is None or plan.next_norm is not next_norm or not all(d.get(k) is v for d, k, v in plan.sources):
+        if plan is None or plan.next_norm is not next_norm or not plan.current():
             plan = self._native_plan = _build_plan(self, next_norm)
         return plan if plan.usable and not quant_floating() else None
 
@@ -328,15 +329,22 @@ class NativePlan:
     """A decoder layer as `native.decode_layer` reads it (`DecoderLayer.native_plan`)."""
 
     next_norm: RMSNorm
-    # (where it is held, its name, the object) for every module and weight it read: a replaced
-    # one (a module's setattr) no longer is what its owner's dict holds under its name
-    sources: tuple[tuple[dict[str, Any], str, object], ...]
+    # For every module and weight it read: the dict of its owner that held it, its name there, the
+    # object. A replaced one (a module's setattr) no longer is what that dict holds under its name.
+    held_in: tuple[dict[str, Any], ...]
+    names: tuple[str, ...]
+    held: tuple[object, ...]
     usable: bool  # False: some part has no single kernel; the layer runs op by op
     weights: list[torch.Tensor] = field(default_factory=list)
     ints: list[int] = field(default_factory=list)
     scalars: list[float] = field(default_factory=list)
     with_ffn: bool = False  # the call runs the feed-forward and next norm too (else the caller does)
     max_tokens: int = FEW_ROWS  # forwards of more tokens run op by op
+
+    def current(self) -> bool:
+        """Whether every module and weight it read is still in place (C-level loops: a decode step
+        checks every layer's plan)."""
+        return all(map(operator.is_, map(dict.get, self.held_in, self.names), self.held))
 
 
 @dataclass(frozen=True, slots=True)
@@ -368,7 +376,7 @@ def _build_plan(layer: DecoderLayer, next_norm: RMSNorm) -> NativePlan:
         read += [(m, "qkv_proj"), (m, "q_norm"), (m.q_norm, "weight"), (m, "k_norm"), (m.k_norm, "weight")]
         read += [(m, "o_proj")]
     read += [(f, name) for name in ("gate_up", "down", "gate_in", "shared_down") if hasattr(f, name)]
-    sources = tuple(_held_by(owner, name) for owner, name in read)
+    held_in, names, held = zip(*(_held_by(owner, name) for owner, name in read), strict=True)
     weights: list[torch.Tensor] = []
     ints: list[int] = []
 
@@ -426,7 +434,7 @@ def _build_plan(layer: DecoderLayer, next_norm: RMSNorm) -> NativePlan:
         weights.append(next_norm.weight)
         scalars.append(next_norm.eps)
     usable = usable and not any(t.requires_grad or not t.is_cpu for t in weights)
-    return NativePlan(next_norm, sources, usable, weights, ints, scalars, with_ffn, max_tokens)
+    return NativePlan(next_norm, held_in, names, held, usable, weights, ints, scalars, with_ffn, max_tokens)
 
 
 class Qwen3NextModel(nn.Module):
