@@ -1033,7 +1033,7 @@ void matmul_impl(const Q8K& xq, const uint8_t* w, int64_t N, float* y, int64_t l
       constexpr int64_t ROWS = 16;
       std::vector<int64_t> all_rows(T);
       for (int64_t t = 0; t < T; ++t) all_rows[t] = t;
-      at::parallel_for(0, (N + ROWS - 1) / ROWS, 1, [&](int64_t c0, int64_t c1) {
+      hybridkv::claimed_for((N + ROWS - 1) / ROWS, 1, [&](int64_t c0, int64_t c1) {
         std::vector<__m256> acc(TILE_T);
 #ifdef HYBRIDKV_ZMM
         std::vector<__m512> acc16(TILE_T);

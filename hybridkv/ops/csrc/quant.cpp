@@ -666,7 +666,7 @@ void matmul_groups(const int8_t* a, const float* dx, const float* sx, const int3
   // so both stay in L2: the weights are read from memory once, the activations once per GROUPS groups.
   constexpr int64_t GROUPS = 64 / L, TILE_T = 64;
   const int64_t row_bytes = nb * B::BYTES;
-  at::parallel_for(0, (groups + GROUPS - 1) / GROUPS, 1, [&](int64_t c0, int64_t c1) {
+  hybridkv::claimed_for((groups + GROUPS - 1) / GROUPS, 1, [&](int64_t c0, int64_t c1) {
     std::vector<float> dw(GROUPS * nb * L), dm(B::HAS_MIN ? GROUPS * nb * L : 0);
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t g0 = c * GROUPS, g1 = std::min(groups, g0 + GROUPS);
