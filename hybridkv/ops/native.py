@@ -103,8 +103,8 @@ def _load() -> None:
     cpp_extension.load(
         name=name,
         sources=[str(p) for p in SOURCES],
-        extra_cflags=CFLAGS,
-        extra_ldflags=LDFLAGS,
+        extra_cflags=list(CFLAGS),  # copies: load() appends torch's own flags to the lists it gets,
+        extra_ldflags=list(LDFLAGS),  # which would change `build_name` for the rest of the process
         build_directory=str(build_dir),
         is_python_module=False,
     )

@@ -67,3 +67,21 @@ def test_a_build_is_announced_once_then_loads_silently(tmp_path: Path) -> None:
     second = _load_in(_checkout(tmp_path / "other"), extensions)
     assert second.returncode == 0, second.stderr
     assert "built" not in second.stderr
+
+
+def test_a_build_leaves_the_name_as_it_was(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """cpp_extension.load appends torch's link flags to the lists it is given: the build must not
+    hand it the ones the name is made of (a later `build_name` in the process would differ, and a
+    second checkout would look for a library that is not there)."""
+    name = native.build_name()
+
+    def load(**kwargs: object) -> None:  # what cpp_extension.load does to its arguments
+        for key in ("extra_cflags", "extra_ldflags"):
+            flags = kwargs[key]
+            assert isinstance(flags, list)
+            flags.append("-ltorch")
+
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda *args, **kwargs: str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", load)
+    native._load()
+    assert native.build_name() == name
