@@ -1,9 +1,11 @@
 """The decode-time products split their weight rows into chunks the threads claim (`claimed_for` in
 `csrc/parallel.h`): every row is computed once, by whichever thread, so a product is bit for bit
-the same at any thread count. Shapes with many chunks a thread, so both the own-share and the
-helping loops run."""
+the same at any thread count. The shapes make 5 to 128 chunks: two or more in each share at 2
+threads."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -19,9 +21,8 @@ pytestmark = pytest.mark.skipif(native.kernels() is None, reason="C++ kernels co
 Q8_TYPES = [GGMLType.Q8_0, GGMLType.Q5_0, GGMLType.Q4_1, GGMLType.IQ4_NL]
 
 
-def _each_thread_count(product: object) -> None:
+def _each_thread_count(product: Callable[[], torch.Tensor]) -> None:
     """product() at 1 thread, then at 2 and 3: the same bits."""
-    assert callable(product)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
