@@ -18,15 +18,18 @@ torch.utils.cpp_extension's root ($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_
 by a hash of what makes the library — the sources' bytes, the flags, torch's version — and of this
 CPU's features (the code is built with -march=native), never by where the sources lie: every
 checkout of the same sources on this machine loads the one library, which is opened directly when
-it exists (no ninja run).
+it exists (no ninja run). After a build, the other builds there that no process has loaded for 30
+days are removed (`prune_stale_builds`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -89,6 +92,7 @@ def _load() -> None:
     building_elsewhere = (build_dir / "lock").exists()  # cpp_extension's lock: a build is under way
     if library.is_file() and not building_elsewhere:
         torch.ops.load_library(str(library))
+        _mark_used(build_dir)
         return
     log.info("building the C++ kernels (%s) in %s", ", ".join(p.name for p in SOURCES), build_dir)
     start = time.perf_counter()
@@ -109,10 +113,43 @@ def _load() -> None:
         is_python_module=False,
     )
     seconds = time.perf_counter() - start
+    _mark_used(build_dir)
     if building_elsewhere:
         log.warning("waited %.0f s for another process to build hybridkv's C++ kernels", seconds)
     else:
         log.warning("built hybridkv's C++ kernels for this CPU in %.0f s (once: cached in %s)", seconds, build_dir)
+        prune_stale_builds(build_dir.parent, keep=build_dir.name)
+
+
+USED = "last-used"  # a build directory's marker, touched whenever a process loads its library
+STALE_DAYS = 30
+
+
+def _mark_used(build_dir: Path) -> None:
+    with contextlib.suppress(OSError):  # a read-only cache still loads
+        (build_dir / USED).touch()
+
+
+def prune_stale_builds(root: Path, keep: str, now: float | None = None) -> list[str]:
+    """Remove the other hybridkv kernel builds under `root` that no process has loaded for
+    STALE_DAYS (each source change leaves a new build of ~4 MB beside the old ones; other
+    checkouts' builds in use stay). Run after a build; returns the names removed."""
+    cutoff = (time.time() if now is None else now) - STALE_DAYS * 86400
+    removed = []
+    for d in sorted(root.glob("hybridkv_kernels_*")):
+        if d.name == keep or not d.is_dir() or (d / "lock").exists():
+            continue
+        marker = d / USED
+        try:
+            used = (marker if marker.exists() else d).stat().st_mtime
+        except OSError:
+            continue
+        if used < cutoff:
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d.name)
+    if removed:
+        log.info("removed %d hybridkv kernel builds unused for %d days from %s", len(removed), STALE_DAYS, root)
+    return removed
 
 
 def enabled(*tensors: torch.Tensor) -> bool:

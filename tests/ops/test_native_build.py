@@ -55,7 +55,8 @@ def test_a_second_checkout_loads_the_library_the_first_built_without_building(tm
     assert result.returncode == 0, result.stderr
     assert "build" not in result.stderr, result.stderr  # neither "building" nor "built"
     assert library.stat().st_mtime_ns == mtime
-    assert sorted(p.name for p in (extensions / name).iterdir()) == [library.name]  # no ninja file, no objects
+    # no ninja file, no objects: the library and the mark of its use
+    assert sorted(p.name for p in (extensions / name).iterdir()) == sorted([library.name, native.USED])
 
 
 @pytest.mark.slow
@@ -85,3 +86,43 @@ def test_a_build_leaves_the_name_as_it_was(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setattr(cpp_extension, "load", load)
     native._load()
     assert native.build_name() == name
+
+
+def test_stale_builds_are_pruned_and_used_or_locked_ones_kept(tmp_path: Path) -> None:
+    now = 1_000_000_000.0
+    day = 86400.0
+
+    def build(name: str, used_days_ago: float | None, lock: bool = False) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        (d / f"{name}.so").write_bytes(b"\0")
+        if used_days_ago is not None:
+            (d / native.USED).touch()
+            os.utime(d / native.USED, (now - used_days_ago * day,) * 2)
+        if lock:
+            (d / "lock").touch()
+        os.utime(d, (now - 90 * day,) * 2)  # built long ago
+        return d
+
+    build("hybridkv_kernels_new_x", None)  # the build just made (kept by name)
+    build("hybridkv_kernels_recent_x", 2)  # another checkout's, loaded two days ago
+    build("hybridkv_kernels_stale_x", 45)
+    build("hybridkv_kernels_unmarked_x", None)  # from before the marker: its build time counts
+    build("hybridkv_kernels_building_x", 45, lock=True)  # a build under way
+    build("other_extension", 45)
+
+    removed = native.prune_stale_builds(tmp_path, keep="hybridkv_kernels_new_x", now=now)
+
+    assert removed == ["hybridkv_kernels_stale_x", "hybridkv_kernels_unmarked_x"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "hybridkv_kernels_building_x",
+        "hybridkv_kernels_new_x",
+        "hybridkv_kernels_recent_x",
+        "other_extension",
+    ]
+
+
+def test_loading_marks_the_build_used() -> None:
+    name = native.build_name()
+    marker = Path(cpp_extension._get_build_directory(name, verbose=False)) / native.USED
+    assert marker.exists()  # the module's kernels() above loaded it
