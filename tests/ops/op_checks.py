@@ -1,6 +1,10 @@
-"""What every op test needs: a relative closeness check against the naive twin, varlen offsets."""
+"""What every op test needs: a relative closeness check against the naive twin, varlen offsets,
+a thread count for a block."""
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 
@@ -19,3 +23,14 @@ def assert_close(
 
 def cu_seqlens_of(lens: list[int]) -> torch.Tensor:
     return torch.tensor([0, *lens]).cumsum(0)
+
+
+@contextlib.contextmanager
+def threads(n: int | None) -> Iterator[None]:
+    """torch's thread count n (None: as it is) within the block, then back."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n or before)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
+from op_checks import threads
 from test_quant import random_rows
 from test_quant_k import KERNEL_TYPES, activations, file_type, kernel_rows
 
@@ -23,16 +24,12 @@ Q8_TYPES = [GGMLType.Q8_0, GGMLType.Q5_0, GGMLType.Q4_1, GGMLType.IQ4_NL]
 
 def _each_thread_count(product: Callable[[], torch.Tensor]) -> None:
     """product() at 1 thread, then at 2 and 3: the same bits."""
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with threads(1):
         want = product()
-        for threads in (2, 3):
-            torch.set_num_threads(threads)
+    for n in (2, 3):
+        with threads(n):
             got = product()
-            assert torch.equal(got, want), f"{threads} threads: {int((got != want).sum())} values differ"
-    finally:
-        torch.set_num_threads(before)
+        assert torch.equal(got, want), f"{n} threads: {int((got != want).sum())} values differ"
     assert want.abs().sum() > 0  # rows were computed, not left as allocated
 
 

@@ -3,8 +3,6 @@ transformers."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from hf_reference import hf_logits, make_hf_model, max_rel_err, save_checkpoint
 from op_checks import assert_close, cu_seqlens_of
+from op_checks import threads as op_threads
 
 from hybridkv import CacheConfig, CachedModel
 from hybridkv.models.qwen3_next import _rope
@@ -113,16 +112,6 @@ def test_rows_matmul_rejects_mismatched_shapes() -> None:
         native.rows_matmul(torch.randn(2, 8), torch.randn(9, 4))
 
 
-@contextlib.contextmanager
-def _threads(n: int | None) -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(n or before)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize(
     ("T", "threads"),
     # 100: experts with few and many rows; 300: all many; 7 threads on 3 experts: each expert's
@@ -142,7 +131,7 @@ def test_moe_block_equals_pytorch_path(
 
     x = torch.randn(T, D, generator=gen)
     weights = (weight(D, E + 1 + 2 * Is), weight(E, D, 2 * I), weight(E, I, D), weight(Is, D))
-    with _threads(threads):
+    with op_threads(threads):
         got = native.moe_block(x, *weights, k, norm_topk)
     monkeypatch.setattr(native, "disabled", True)
     want = moe_block(x, *(w.float() for w in weights), k, norm_topk)
@@ -360,14 +349,10 @@ def test_attention_decode_equals_pytorch_step(
     o = paged_attention(q, want_k, want_v, block_tables, cu, torch.tensor([L for L, _ in seqs]), hd**-0.5)
     want = o.reshape(T, H * hd) * torch.sigmoid(gate)
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with op_threads(threads):
         got = native.attention_decode(
             qkv, q_norm, k_norm, 1e-6, cos, sin, (k_pool, v_pool), slot_mapping, block_tables[owner], lens, hd**-0.5, H
         )
-    finally:
-        torch.set_num_threads(before)
     # A key rounded to the pool's type from a sum in another order can land one step of that type
     # away (bfloat16: 2^-8 relative, float16: 2^-11): so can what attends to it.
     rel = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 1e-2), torch.float16: (3e-3, 1e-3)}[pool_dtype]
