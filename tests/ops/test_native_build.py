@@ -82,7 +82,9 @@ def test_a_build_leaves_the_name_as_it_was(tmp_path: Path, monkeypatch: pytest.M
             assert isinstance(flags, list)
             flags.append("-ltorch")
 
-    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda *args, **kwargs: str(tmp_path))
+    build_dir = tmp_path / "hybridkv_kernels_x"  # its parent, where the build prunes, holds nothing else
+    build_dir.mkdir()
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda *args, **kwargs: str(build_dir))
     monkeypatch.setattr(cpp_extension, "load", load)
     native._load()
     assert native.build_name() == name
