@@ -266,31 +266,42 @@ void with_weight_type(const at::Tensor& w, F&& f) {
     f(reinterpret_cast<const at::BFloat16*>(w.data_ptr<at::BFloat16>()));
 }
 
-// y[N] += sum_{d0 <= d < d1} x[d] * w[d, :]: w's rows streamed whole, four at a time (one at a
-// time when short).
+// y[N] += sum_{d0 <= d < d1} x[d] * w[d, :] for R rows of w at a time (d1 - d0 a multiple of R),
+// each row's vector meeting the same vector of y, which is loaded and stored once per R rows.
+// Out of line: inlined into its callers this loop ran at 2/3 the rate in some builds and not in
+// others (the same instructions; Zen 4), and a call per block of rows costs nothing against it.
+template <int R, typename W>
+__attribute__((noinline)) void depth_rows(const float* x, const W* w, int64_t N, float* y, int64_t d0, int64_t d1) {
+  for (int64_t d = d0; d < d1; d += R) {
+    const W* wd = w + d * N;
+    float a[R];
+    for (int j = 0; j < R; ++j) a[j] = x[d + j];
+    int64_t n = 0;
+    for (; n + LANES <= N; n += LANES) {
+      vf s = load(y + n);
+      for (int j = 0; j < R; ++j) s += a[j] * load(wd + j * N + n);
+      store(y + n, s);
+    }
+    for (; n < N; ++n)
+      for (int j = 0; j < R; ++j) y[n] += a[j] * scalar(wd[j * N + n]);
+  }
+}
+
+// y[N] += sum_{d0 <= d < d1} x[d] * w[d, :]: w's rows streamed whole, sixteen at a time (one at a
+// time when short). Sixteen rows side by side (more streams in flight) read float32 weights of
+// 4 KiB rows 1.35x as fast as four and of 8 KiB rows 1.2x, 28 KiB rows about even (one thread,
+// Zen 4); the 0.8B shape's projections 1.13-1.15x (two threads, quiet host).
 template <typename W>
 void depth_block(const float* x, const W* w, int64_t N, float* y, int64_t d0, int64_t d1) {
-  int64_t d = d0;
   // Rows shorter than a page (1024 bfloat16 outputs) one at a time: the block's rows are contiguous,
   // so that reads one stream; four side by side ran 20% slower (Zen 4, a [3584, 1024] down_proj).
   const bool one_row = N * static_cast<int64_t>(sizeof(W)) < 4096;
-  for (; one_row && d < d1; ++d) {
-    const W* w0 = w + d * N;
-    const float a0 = x[d];
-    int64_t n = 0;
-    for (; n + LANES <= N; n += LANES) store(y + n, load(y + n) + a0 * load(w0 + n));
-    for (; n < N; ++n) y[n] += a0 * scalar(w0[n]);
-  }
-  for (; d + 4 <= d1; d += 4) {
-    const W *w0 = w + d * N, *w1 = w0 + N, *w2 = w1 + N, *w3 = w2 + N;
-    const float a0 = x[d], a1 = x[d + 1], a2 = x[d + 2], a3 = x[d + 3];
-    int64_t n = 0;
-    for (; n + LANES <= N; n += LANES)
-      store(y + n, load(y + n) + a0 * load(w0 + n) + a1 * load(w1 + n) + a2 * load(w2 + n) + a3 * load(w3 + n));
-    for (; n < N; ++n) y[n] += a0 * scalar(w0[n]) + a1 * scalar(w1[n]) + a2 * scalar(w2[n]) + a3 * scalar(w3[n]);
-  }
-  for (; d < d1; ++d)
-    for (int64_t n = 0; n < N; ++n) y[n] += x[d] * scalar(w[d * N + n]);
+  if (one_row) return depth_rows<1>(x, w, N, y, d0, d1);
+  const int64_t by16 = d0 + (d1 - d0) / 16 * 16;
+  depth_rows<16>(x, w, N, y, d0, by16);
+  const int64_t by4 = by16 + (d1 - by16) / 4 * 4;
+  depth_rows<4>(x, w, N, y, by16, by4);
+  depth_rows<1>(x, w, N, y, by4, d1);
 }
 
 // y[T, N] += x[T, d0:d1] @ w[d0:d1, :] for T rows: four rows of w at a time, in blocks of columns
@@ -514,6 +525,28 @@ inline void dot_tile(const X* x, int64_t D, const W* w, float* y, int64_t N) {
   }
 }
 
+// y[r] = x . w[r] for `rows` float32 rows of w [rows, D] and one row of x: the one-row form of
+// `dot_tile`, out of line, its results kept and stored 16 at a time. Inlined into
+// `rows_matmul_t`, the same loop read a 248k-row head at 37 GB/s in one build and 52-58 in
+// others; this read 52 where that build's read 37 (a sum over the same tensor: 56; 2 threads,
+// Zen 4, quiet host), and as fast as the best inlined one elsewhere.
+__attribute__((noinline)) void dot_one_row(const float* x, int64_t D, const float* w, float* y, int64_t rows) {
+  float kept[16];
+  for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+    const int64_t n = std::min<int64_t>(16, rows - r0);
+    for (int64_t r = 0; r < n; ++r) {
+      const float* wr = w + (r0 + r) * D;
+      vf acc = {};
+      int64_t d = 0;
+      for (; d + LANES <= D; d += LANES) acc += load(wr + d) * load(x + d);
+      float sum = hsum(acc);
+      for (; d < D; ++d) sum += x[d] * wr[d];
+      kept[r] = sum;
+    }
+    std::memcpy(y + r0, kept, n * sizeof(float));
+  }
+}
+
 template <int RW, typename X, typename W>
 inline void dot_rows(int RX, const X* x, int64_t D, const W* w, float* y, int64_t N) {
   switch (RX) {
@@ -550,6 +583,10 @@ at::Tensor rows_matmul_t(const at::Tensor& x_in, const at::Tensor& w) {
     const int64_t claim = hybridkv::claim_items(GROUP * D * static_cast<int64_t>(sizeof(*wp)), 1);
     hybridkv::claimed_for(groups, claim, [&](int64_t begin, int64_t end) {
       const int64_t stop = std::min(N, end * GROUP);
+      if constexpr (std::is_same_v<std::remove_cv_t<std::remove_pointer_t<decltype(xp)>>, float> &&
+                    std::is_same_v<std::remove_cv_t<std::remove_pointer_t<decltype(wp)>>, float>) {
+        if (T == 1) return dot_one_row(xp, D, wp + begin * GROUP * D, yp + begin * GROUP, stop - begin * GROUP);
+      }
       for (int64_t n = begin * GROUP; n < stop;) {
         const int64_t left = one_stream ? 0 : stop - n;  // one stream: always the one-row form below
         if (LANES == 16 && left >= 8) {  // 8 x 3 sums + 8 weight vectors: 32 registers
