@@ -1,14 +1,10 @@
 """The decode-time products split their weight rows into chunks the threads claim (`claimed_for` in
 `csrc/parallel.h`): every row is computed once, by whichever thread, so a product is bit for bit
 the same at any thread count. The shapes make 5 to 128 chunks: two or more in each share at 2
-threads. The threads are a pool of the kernels' own (`detail::Pool`), whose caller does whatever
-no worker claims: so also with several callers at once (one has the pool, the others run alone)
-and in a forked child, which has none of the parent's workers."""
+threads."""
 
 from __future__ import annotations
 
-import os
-import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -74,56 +70,3 @@ def test_float_rows_at_any_thread_count(dtype: torch.dtype) -> None:
     x1, x3 = torch.randn(1, 64, generator=gen), torch.randn(3, 64, generator=gen)
     _each_thread_count(lambda: native.rows_matmul_t(x1, w_t))
     _each_thread_count(lambda: native.rows_matmul(x3, w))
-
-
-def _products() -> list[Callable[[], torch.Tensor]]:
-    """A float head read row after row, a depth-split [in, out] product and a Q4_K_R one."""
-    gen = torch.Generator().manual_seed(7)
-    head, w = torch.randn(20011, 64, generator=gen), torch.randn(1030, 1100, generator=gen)
-    x, xd = torch.randn(1, 64, generator=gen), torch.randn(1, 1030, generator=gen)
-    rows = kernel_rows(GGMLType.Q4_K_R, random_rows(block_type(GGMLType.Q4_K), (1003,), 256, seed=8))
-    xq = activations(1, 256, seed=9)
-    return [
-        lambda: native.rows_matmul_t(x, head),
-        lambda: native.rows_matmul(xd, w),
-        lambda: k_dot.native_k_matmul(xq, rows, int(GGMLType.Q4_K_R)),
-    ]
-
-
-def test_callers_on_several_threads_at_once_get_the_same_bits() -> None:
-    """Four Python threads run the products 25 times each, all at once: whichever holds the pool
-    gets its workers, the others compute alone; every result is the one-caller result (at the same
-    thread count: the depth split's partial sums are one per thread)."""
-    products = _products()
-    with threads(2):
-        want = [p() for p in products]
-    wrong: list[str] = []
-
-    def caller(k: int) -> None:
-        for i in range(25):
-            j = (k + i) % len(products)
-            if not torch.equal(products[j](), want[j]):
-                wrong.append(f"caller {k}, round {i}, product {j}")
-
-    with threads(2):
-        callers = [threading.Thread(target=caller, args=(k,)) for k in range(4)]
-        for c in callers:
-            c.start()
-        for c in callers:
-            c.join()
-    assert not wrong, wrong
-
-
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-def test_a_forked_child_computes_without_the_parents_workers() -> None:
-    """The parent's pool has started its workers; a child forked after has none of them, and its
-    products must still finish, with the same bits (the caller claims every chunk itself)."""
-    products = _products()
-    with threads(2):
-        want = [p() for p in products]  # the pool and its worker exist now
-        pid = os.fork()
-        if pid == 0:  # the child: exit status 0 only if every product is right
-            ok = all(torch.equal(p(), w) for p, w in zip(products, want, strict=True))
-            os._exit(0 if ok else 1)
-        _, status = os.waitpid(pid, 0)
-    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status

@@ -364,14 +364,13 @@ void depth_block_rows(const float* x, int64_t T, int64_t D, const W* w, int64_t 
 }
 
 // Few rows: each thread streams a contiguous block of w's rows into its own partial sums, then the
-// partials are added in order. A part is a claim (`claimed_for`): a thread that does not come, off
-// its core, has its part done by another instead of holding the product until it runs.
+// partials are added.
 void matmul_rows_split_depth(const float* x, int64_t T, int64_t D, const at::Tensor& w, float* y) {
   const int64_t N = w.size(1), parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), D / 4));
   const int64_t step = (D / parts + 3) / 4 * 4;
   std::vector<float> partial(parts * T * N, 0.f);
   with_weight_type(w, [&](auto* wp) {
-    hybridkv::claimed_for(parts, 1, [&](int64_t b, int64_t e) {
+    at::parallel_for(0, parts, 1, [&](int64_t b, int64_t e) {
       for (int64_t p = b; p < e; ++p)
         depth_block_rows(x, T, D, wp, N, partial.data() + p * T * N, std::min(D, p * step),
                          std::min(D, (p + 1) * step));
@@ -1099,9 +1098,7 @@ at::Tensor gdn_forward(const at::Tensor& mixed_in, const at::Tensor& conv_weight
     }
     for (int64_t j = 0; j < M; ++j) win[j] = reg[j];
   };
-  const int64_t blocks = (C + LANES - 1) / LANES;
-  const int64_t share = (blocks + at::get_num_threads() - 1) / at::get_num_threads();
-  hybridkv::claimed_for(blocks, share, [&](int64_t begin, int64_t end) {  // one claim a thread
+  at::parallel_for(0, (C + LANES - 1) / LANES, 1, [&](int64_t begin, int64_t end) {
     // The thread's weights split once, then sequence by sequence: each walks its state, inputs
     // and outputs in order (the 0.8B shape's states are 72 KiB apart, its output rows 24 KiB, so
     // going across the sequences block by block puts all of them on the same L1 sets).
