@@ -525,24 +525,16 @@ inline void dot_tile(const X* x, int64_t D, const W* w, float* y, int64_t N) {
   }
 }
 
-// y[r] = x . w[r] for `rows` float32 rows of w [rows, D] and one row of x: the one-row form of
-// `dot_tile`, out of line, its results kept and stored 16 at a time. Inlined into
-// `rows_matmul_t`, the same loop read a 248k-row head at 37 GB/s in one build and 52-58 in
-// others; this read 52 where that build's read 37 (a sum over the same tensor: 56; 2 threads,
-// Zen 4, quiet host), and as fast as the best inlined one elsewhere.
+// y[r] = x . w[r] for `rows` float32 rows of w [rows, D] and one row of x: `dot_tile`'s one-row
+// form, out of line, its results kept and stored 16 at a time. Inlined into `rows_matmul_t`, the
+// same loop read a 248k-row head at 37 GB/s in one build and 52-58 in others; this read 52 where
+// that build's read 37 (a sum over the same tensor: 56; 2 threads, Zen 4, quiet host), and as
+// fast as the best inlined one elsewhere.
 __attribute__((noinline)) void dot_one_row(const float* x, int64_t D, const float* w, float* y, int64_t rows) {
   float kept[16];
   for (int64_t r0 = 0; r0 < rows; r0 += 16) {
     const int64_t n = std::min<int64_t>(16, rows - r0);
-    for (int64_t r = 0; r < n; ++r) {
-      const float* wr = w + (r0 + r) * D;
-      vf acc = {};
-      int64_t d = 0;
-      for (; d + LANES <= D; d += LANES) acc += load(wr + d) * load(x + d);
-      float sum = hsum(acc);
-      for (; d < D; ++d) sum += x[d] * wr[d];
-      kept[r] = sum;
-    }
+    for (int64_t r = 0; r < n; ++r) dot_tile<1, 1>(x, D, w + (r0 + r) * D, kept + r, 0);
     std::memcpy(y + r0, kept, n * sizeof(float));
   }
 }
@@ -583,8 +575,7 @@ at::Tensor rows_matmul_t(const at::Tensor& x_in, const at::Tensor& w) {
     const int64_t claim = hybridkv::claim_items(GROUP * D * static_cast<int64_t>(sizeof(*wp)), 1);
     hybridkv::claimed_for(groups, claim, [&](int64_t begin, int64_t end) {
       const int64_t stop = std::min(N, end * GROUP);
-      if constexpr (std::is_same_v<std::remove_cv_t<std::remove_pointer_t<decltype(xp)>>, float> &&
-                    std::is_same_v<std::remove_cv_t<std::remove_pointer_t<decltype(wp)>>, float>) {
+      if constexpr (std::is_same_v<decltype(xp), const float*> && std::is_same_v<decltype(wp), const float*>) {
         if (T == 1) return dot_one_row(xp, D, wp + begin * GROUP * D, yp + begin * GROUP, stop - begin * GROUP);
       }
       for (int64_t n = begin * GROUP; n < stop;) {
