@@ -259,10 +259,12 @@ def test_matmul_parts_is_each_parts_product_side_by_side(T: int) -> None:
 @pytest.mark.parametrize("t", KERNEL_TYPES, ids=lambda t: t.name)
 def test_experts_matmul_equals_each_tokens_product_on_its_expert(t: GGMLType) -> None:
     """Expert 0 meets 67 tokens (two tiles of the several-token path), expert 1 two, expert 2 one
-    (the one-token path: its rows eight at a time, the rest one by one)."""
-    E, N, K, f = 3, 21, 512, file_type(t)
+    (the one-token path: its rows eight at a time, the rest one by one), experts 3 and 4 seven and
+    five, between the others' (the few-token path on AVX-512 for Q4_K_R, 4 + 3 and 3 + 2 rows, and
+    Q6_K's two; beyond its four, Q6_K's several-token path)."""
+    E, N, K, f = 5, 21, 512, file_type(t)
     rows = np.stack([weight_rows(f, N, K, seed=e) for e in range(E)])
-    ids = torch.tensor([0] * 33 + [1, 2] + [0] * 34 + [1])
+    ids = torch.tensor([0] * 33 + [1, 2] + [3, 4] * 5 + [0] * 34 + [3, 1, 3])
     x = activations(len(ids), K, seed=5)
     want = torch.cat(
         [torch.from_numpy(emulate(x[p : p + 1].numpy(), rows[e], f)[2]) for p, e in enumerate(ids.tolist())]

@@ -682,14 +682,21 @@ void rows8_dot(const uint8_t* w, int64_t row_bytes, const int8_t* a, const float
 }
 
 #ifdef HYBRIDKV_ZMM
-// R activation rows (row r: codes at a + r·K in `dot_order`, scales at dx + r·nb, mins' sums at
-// xs + r·nb·16) · one weight row → acc[r], 8 lanes each: each super-block decoded once for the R
-// rows (`Decoded`), instead of `rows_dot_unpacked`'s unpacked block stored and reloaded: Q4_K_R
-// 16-18% faster at 2-3 rows, 11% at 8 (4 + 4), Q6_K 12% at 2-3 (Zen 4, 1 thread, 1024 x 4096 in L2).
+// R activation rows (row r: codes at a + rows[r]·K in `dot_order`, scales at dx + rows[r]·nb, mins'
+// sums at xs + rows[r]·nb·16) · one weight row → acc[r], 8 lanes each: each super-block decoded
+// once for the R rows (`Decoded`), instead of `rows_dot_unpacked`'s unpacked block stored and
+// reloaded: Q4_K_R 16-18% faster at 2-3 rows, 11% at 8 (4 + 4), Q6_K 12% at 2-3 (Zen 4, 1 thread,
+// 1024 x 4096 in L2).
 template <class KT, int R>
 ALWAYS_INLINE void rows_lanes(const uint8_t* w, const int8_t* a, int64_t K, const float* dx, const int16_t* xs,
-                              int64_t nb, __m256* acc) {
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+                              int64_t nb, const int64_t* rows, __m256* acc) {
+  const int8_t* ar[R];
+  const float* dr[R];
+  const int16_t* xr[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    ar[r] = a + rows[r] * K, dr[r] = dx + rows[r] * nb, xr[r] = xs + rows[r] * nb * 16;
+  }
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* wb = w + b * KT::bytes;
     for (int line = 0; line < KT::bytes; line += 64)
@@ -698,19 +705,29 @@ ALWAYS_INLINE void rows_lanes(const uint8_t* w, const int8_t* a, int64_t K, cons
     const float dw = weight_d<KT>(wb), dminw = weight_dmin<KT>(wb);
     for (int r = 0; r < R; ++r) {
       __m256i s, m;
-      dec.dot(a + r * K + b * QK_K, xs + (r * nb + b) * 16, s, m);
-      acc[r] = add_superblock<KT>(acc[r], s, m, dw, dminw, dx[r * nb + b]);
+      dec.dot(ar[r] + b * QK_K, xr[r] + b * 16, s, m);
+      acc[r] = add_superblock<KT>(acc[r], s, m, dw, dminw, dr[r][b]);
     }
   }
 }
 
-// y[t·N] for activation rows t0..t0+R against one weight row (`rows_lanes`).
-template <class KT, int R>
+// y[rows[i]·N] for activation rows rows[0..n) (2 <= n <= Decoded<KT>::MAX_T) against one weight row
+// (`rows_lanes`, four rows at a time: 5 as 3 + 2).
+template <class KT>
 void rows_dot_decoded(const uint8_t* w, const int8_t* a, int64_t K, const float* dx, const int16_t* xs, int64_t nb,
-                      int64_t t0, float* y, int64_t N) {
-  __m256 acc[R];
-  rows_lanes<KT, R>(w, a + t0 * K, K, dx + t0 * nb, xs + t0 * nb * 16, nb, acc);
-  for (int r = 0; r < R; ++r) y[(t0 + r) * N] = hsum_f32(acc[r]);
+                      const int64_t* rows, int64_t n, float* y, int64_t N) {
+  __m256 acc[4];
+  for (int64_t i = 0; i < n;) {
+    const int64_t left = n - i, take = left == 5 ? 3 : std::min<int64_t>(4, left);
+    switch (take) {
+      case 4: rows_lanes<KT, 4>(w, a, K, dx, xs, nb, rows + i, acc); break;
+      case 3: rows_lanes<KT, 3>(w, a, K, dx, xs, nb, rows + i, acc); break;
+      case 2: rows_lanes<KT, 2>(w, a, K, dx, xs, nb, rows + i, acc); break;
+      default: rows_lanes<KT, 1>(w, a, K, dx, xs, nb, rows + i, acc); break;
+    }
+    for (int64_t r = 0; r < take; ++r) y[rows[i + r] * N] = hsum_f32(acc[r]);
+    i += take;
+  }
 }
 #endif
 #endif
@@ -1054,21 +1071,11 @@ void matmul_impl(const Q8K& xq, const uint8_t* w, int64_t N, float* y, int64_t l
 #ifdef HYBRIDKV_ZMM
     if constexpr (kDecoded<KT>) {
       if (T >= 2 && T <= Decoded<KT>::MAX_T && T < ROWS16_FROM) {  // a few rows (batched decode, a verify)
+        std::vector<int64_t> all_rows(T);
+        for (int64_t t = 0; t < T; ++t) all_rows[t] = t;
         hybridkv::claimed_for(N, hybridkv::claim_items(nb * KT::bytes), [&](int64_t n0, int64_t n1) {
-          for (int64_t n = n0; n < n1; ++n) {
-            const uint8_t* wr = w + n * nb * KT::bytes;
-            float* yn = y + n;
-            for (int64_t t = 0; t < T;) {
-              const int64_t left = T - t, take = left == 5 ? 3 : std::min<int64_t>(4, left);
-              switch (take) {
-                case 4: rows_dot_decoded<KT, 4>(wr, a1, K, dx, xs.data(), nb, t, yn, ldy); break;
-                case 3: rows_dot_decoded<KT, 3>(wr, a1, K, dx, xs.data(), nb, t, yn, ldy); break;
-                case 2: rows_dot_decoded<KT, 2>(wr, a1, K, dx, xs.data(), nb, t, yn, ldy); break;
-                default: rows_dot_decoded<KT, 1>(wr, a1, K, dx, xs.data(), nb, t, yn, ldy); break;
-              }
-              t += take;
-            }
-          }
+          for (int64_t n = n0; n < n1; ++n)
+            rows_dot_decoded<KT>(w + n * nb * KT::bytes, a1, K, dx, xs.data(), nb, all_rows.data(), T, y + n, ldy);
         });
         return;
       }
@@ -1289,6 +1296,16 @@ void experts_impl(const Q8K& xq, const uint8_t* w, const int64_t* ids, int64_t N
           u += 7;
           continue;
         }
+#ifdef HYBRIDKV_ZMM
+        // A few tokens on this expert (batched decode, a chat turn): each super-block decoded once
+        // for up to four of them, as `matmul_impl` (moe-mini Q4_K_M: an 8-token step 1.06x the
+        // unpacked form, a 56-token chunk 1.016x; the same bits).
+        if constexpr (kDecoded<KT>)
+          if (start[g + 1] - start[g] >= 2 && start[g + 1] - start[g] <= Decoded<KT>::MAX_T) {
+            rows_dot_decoded<KT>(wr, a1, K, dx, xs.data(), nb, pairs.data() + start[g], start[g + 1] - start[g], y + n, N);
+            continue;
+          }
+#endif
         // Several tokens on this expert (prefill, batched decode): each super-block unpacked once for all.
         if (start[g + 1] - start[g] >= 2) {
           for (int64_t i = start[g]; i < start[g + 1]; i += TILE_T)
