@@ -46,17 +46,22 @@ def paged_attention(
     start = 0
     for n, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens_list, strict=True)):
         blocks = block_tables[n, : -(-kv_len // block_size)]
-        # KV heads repeated per query head, 4-D: SDPA's CPU flash kernel takes neither GQA nor 3-D
-        # inputs, and its fallback (bmm, softmax) is ~3x slower at 512 tokens.
-        k = _gather_blocks(k_pool, blocks, kv_len).repeat_interleave(group, dim=0)[None]  # [1, H, kv_len, hd]
-        v = _gather_blocks(v_pool, blocks, kv_len).repeat_interleave(group, dim=0)[None]
-        q_n = q[start : start + q_len].float().transpose(0, 1)[None]  # [1, H, q_len, hd]
+        # 4-D (SDPA's CPU flash kernel takes no 3-D inputs), the KV heads not repeated per query
+        # head: each query row is computed alone, so the results are those of repeated heads, bit
+        # for bit, without the copies (a 56-token chunk onto 1,248 positions of the 0.8B shape:
+        # 5.4 → 3.5 ms a layer; 512 tokens, causal: 13.2 → 12.4).
+        k = _gather_blocks(k_pool, blocks, kv_len)[None]  # [1, Hkv, kv_len, hd]
+        v = _gather_blocks(v_pool, blocks, kv_len)[None]
+        q_n = q[start : start + q_len].float().transpose(0, 1)  # [H, q_len, hd]
         if q_len == kv_len:  # nothing cached before: plain causal
-            o = F.scaled_dot_product_attention(q_n, k, v, is_causal=True, scale=scale)
+            o = F.scaled_dot_product_attention(q_n[None], k, v, is_causal=True, scale=scale, enable_gqa=True)[0]
         else:  # query j sits at kv position kv_len - q_len + j: causal with an offset
-            mask = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)
-            o = F.scaled_dot_product_attention(q_n, k, v, attn_mask=mask, scale=scale)
-        out[start : start + q_len] = o[0].transpose(0, 1)
+            # The `group` query heads of a KV head as one run of queries, the mask repeated for
+            # each: as fast as enable_gqa at 56-200 queries, 1.3x at 8 (a verify).
+            mask = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len).repeat(group, 1)
+            q_g = q_n.reshape(k.shape[1], group * q_len, q_n.shape[-1])[None]
+            o = F.scaled_dot_product_attention(q_g, k, v, attn_mask=mask, scale=scale)[0].view(q_n.shape)
+        out[start : start + q_len] = o.transpose(0, 1)
         start += q_len
     return out
 
