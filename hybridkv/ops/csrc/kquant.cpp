@@ -1021,19 +1021,48 @@ void rows16_kdot(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t K, con
   for (int64_t r = 0; r < n; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     if (ahead != nullptr) hybridkv::prefetch_rows(ahead + b * KT::bytes, 16, row_bytes, KT::bytes);
-    for (int i = 0; i < 16; ++i) {
-      const uint8_t* wb = w + i * row_bytes + b * KT::bytes;
-      unpack(KT{}, wb, u[i]);
-      for (int h = 0; h < 16; ++h) scales[h][i] = u[i].scales[h / 2][(h % 2) * 8];
-      dws[i] = weight_d<KT>(wb);
-      dmins[i] = weight_dmin<KT>(wb);
-    }
     __m256i lo[8], hi[8];
-    for (int c = 0; c < 8; ++c) {  // codes 32c..32c+31 of each row: groups 8c..8c+7
-      for (int i = 0; i < 8; ++i) lo[i] = load(u[i].codes + 32 * c), hi[i] = load(u[8 + i].codes + 32 * c);
-      hybridkv::transpose8x16(lo, hi, ct + 8 * c);
+    if constexpr (std::is_same_v<KT, Q4K> || std::is_same_v<KT, Q4KR>) {
+      // The packed code bytes transposed as they lie (4 transposes, not 8 of unpacked codes), then
+      // split into nibbles, each 4-byte group stored in the slot of its codes in activation order:
+      // the same vectors as through `unpack`, 1.07x the product at 56 rows (1 thread).
+      alignas(32) int16_t sm[16][16];
+      for (int i = 0; i < 16; ++i) {
+        const uint8_t* wb = w + i * row_bytes + b * KT::bytes;
+        store(sm[i], k4_scales_mins16(wb));
+        for (int k = 0; k < 8; ++k) scales[2 * k][i] = sm[i][k];
+        dws[i] = weight_d<KT>(wb);
+        dmins[i] = weight_dmin<KT>(wb);
+      }
+      const __m512i m4 = _mm512_set1_epi8(15);
+      for (int c = 0; c < 4; ++c) {
+        const uint8_t* wc = w + b * KT::bytes + 16 + 32 * c;
+        for (int i = 0; i < 8; ++i) lo[i] = load(wc + i * row_bytes), hi[i] = load(wc + (8 + i) * row_bytes);
+        __m512i packed[8];
+        hybridkv::transpose8x16(lo, hi, packed);
+        for (int j = 0; j < 8; ++j) {
+          // Q4_K: group j of chunk c holds codes 64c + 4j (low nibbles) and 64c + 32 + 4j (high);
+          // Q4_K_R: Q4_K's chunk j % 4, group 2c + j / 4.
+          const int slot = KT::permuted ? 16 * (j % 4) + 2 * c + j / 4 : 16 * c + j;
+          ct[slot] = _mm512_and_si512(packed[j], m4);
+          ct[slot + 8] = _mm512_and_si512(_mm512_srli_epi16(packed[j], 4), m4);
+        }
+      }
+      for (int i = 0; i < 8; ++i) lo[i] = load(sm[i]), hi[i] = load(sm[8 + i]);
+    } else {
+      for (int i = 0; i < 16; ++i) {
+        const uint8_t* wb = w + i * row_bytes + b * KT::bytes;
+        unpack(KT{}, wb, u[i]);
+        for (int h = 0; h < 16; ++h) scales[h][i] = u[i].scales[h / 2][(h % 2) * 8];
+        dws[i] = weight_d<KT>(wb);
+        dmins[i] = weight_dmin<KT>(wb);
+      }
+      for (int c = 0; c < 8; ++c) {  // codes 32c..32c+31 of each row: groups 8c..8c+7
+        for (int i = 0; i < 8; ++i) lo[i] = load(u[i].codes + 32 * c), hi[i] = load(u[8 + i].codes + 32 * c);
+        hybridkv::transpose8x16(lo, hi, ct + 8 * c);
+      }
+      for (int i = 0; i < 8; ++i) lo[i] = load(u[i].mins), hi[i] = load(u[8 + i].mins);
     }
-    for (int i = 0; i < 8; ++i) lo[i] = load(u[i].mins), hi[i] = load(u[8 + i].mins);
     hybridkv::transpose8x16(lo, hi, mn);  // mn[p] lane i: row i's mins 2p, 2p+1
     const __m512 dw = _mm512_load_ps(dws), dmin = _mm512_load_ps(dmins);
     int64_t r = 0;
