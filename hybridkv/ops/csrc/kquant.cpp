@@ -1014,7 +1014,6 @@ template <class KT>
 void rows16_kdot(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t K, const int8_t* a, const float* dx,
                  const int16_t* xs, const int64_t* rows, int64_t n, float* y, int64_t N, __m512* acc,
                  const uint8_t* ahead) {
-  Unpacked u[16];
   alignas(64) int32_t scales[16][16];
   alignas(64) float dws[16], dmins[16];
   __m512i ct[64], mn[8];
@@ -1050,6 +1049,7 @@ void rows16_kdot(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t K, con
       }
       for (int i = 0; i < 8; ++i) lo[i] = load(sm[i]), hi[i] = load(sm[8 + i]);
     } else {
+      Unpacked u[16];
       for (int i = 0; i < 16; ++i) {
         const uint8_t* wb = w + i * row_bytes + b * KT::bytes;
         unpack(KT{}, wb, u[i]);
@@ -1100,11 +1100,11 @@ void matmul_impl(const Q8K& xq, const uint8_t* w, int64_t N, float* y, int64_t l
 #ifdef HYBRIDKV_ZMM
     if constexpr (kDecoded<KT>) {
       if (T >= 2 && T <= Decoded<KT>::MAX_T && T < ROWS16_FROM) {  // a few rows (batched decode, a verify)
-        std::vector<int64_t> all_rows(T);
+        int64_t all_rows[ROWS16_FROM];
         for (int64_t t = 0; t < T; ++t) all_rows[t] = t;
         hybridkv::claimed_for(N, hybridkv::claim_items(nb * KT::bytes), [&](int64_t n0, int64_t n1) {
           for (int64_t n = n0; n < n1; ++n)
-            rows_dot_decoded<KT>(w + n * nb * KT::bytes, a1, K, dx, xs.data(), nb, all_rows.data(), T, y + n, ldy);
+            rows_dot_decoded<KT>(w + n * nb * KT::bytes, a1, K, dx, xs.data(), nb, all_rows, T, y + n, ldy);
         });
         return;
       }
