@@ -14,7 +14,7 @@ import torch
 from rich.console import Console
 
 from hybridkv import CachedModel, bench, cli
-from hybridkv.bench.machine import Limits, WeightCounts
+from hybridkv.bench.machine import Limits, WeightCounts, last_level_cache_bytes
 from hybridkv.bench.profile import op_families, part_times
 from hybridkv.bench.report import print_table, write_json
 from hybridkv.bench.workload import (
@@ -212,6 +212,15 @@ def test_limits_are_reported_with_the_fraction_reached(document):
         s = document["scenarios"][name]
         assert s["limit"] > 0 and s["hybridkv_limit_fraction"] > 0, name
     assert document["scenarios"]["chat_turn8_ttft"]["limit"] is None
+
+
+def test_the_read_probe_outgrows_the_last_level_cache(tmp_path):
+    for index, size in (("index0", "48K"), ("index2", "2048K"), ("index3", "300M")):
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "size").write_text(size + "\n")
+    (tmp_path / "index1").mkdir()  # no size file: skipped
+    assert last_level_cache_bytes(tmp_path) == 300 * 2**20
+    assert last_level_cache_bytes(tmp_path / "absent") == 0
 
 
 def test_table_and_json_file(document, tmp_path):
