@@ -38,12 +38,15 @@ against a third party without building anything at test time.
    type, ggml shape), read back with the PyPI gguf-py.
 
 5. K-quants, with `--quantizer` (an installed llama-cpp-python, built from the same sdist):
-   `qwen35moe-k-q4_k_m.gguf`, llama.cpp's own Q4_K_M mixture (`llama_model_quantize`, ftype 15,
-   no importance matrix) of a Qwen3.5 MoE whose every projection has rows of 256 (hidden 256, 64-wide
-   heads, expert width 256), so its projections are Q4_K and Q6_K blocks rather than the fallback
-   types a narrower model gets; its F32 conversion is not kept. gguf-py cannot write K-quants.
-   With it, `qwen35moe-k-q4_k_m.llama_cpp_logits.safetensors`: llama.cpp's own logits on that
-   file and PROMPT (`Llama.eval`, logits for every token), the engine-to-engine check.
+   `qwen35moe-k-q4_k_m.gguf` and `qwen35moe-k-q2_k.gguf`, llama.cpp's own Q4_K_M and Q2_K mixtures
+   (`llama_model_quantize`, ftypes 15 and 10, no importance matrix) of a Qwen3.5 MoE whose every
+   projection has rows of 256 (hidden 256, 64-wide heads, expert width 256), so its projections
+   are K-quant blocks (Q4_K and Q6_K; Q2_K, Q3_K, Q4_K and Q6_K) rather than the fallback types a
+   narrower model gets; its F32 conversion is not kept. gguf-py cannot write K-quants. With each,
+   `<file>.llama_cpp_logits.safetensors`: llama.cpp's own logits on that file and PROMPT
+   (`Llama.eval`, logits for every token), the engine-to-engine check.
+   `--quantizer --only q2_k` writes that one file and its logits and replaces its MANIFEST.txt
+   section, leaving every other fixture as it is (how the Q2_K file was added).
 """
 
 from __future__ import annotations
@@ -243,6 +246,33 @@ def convert(llama: Path, checkpoint: Path, out: Path, outtype: str, pre: str, ex
     subprocess.run([sys.executable, "-c", CONVERT, str(llama), pre, *args], check=True)
 
 
+# The K-quant fixtures: file type → llama.cpp's ftype (LLAMA_FTYPE_MOSTLY_*).
+K_FTYPES = {"q4_k_m": 15, "q2_k": 10}
+
+
+def k_fixture(llama: Path, work: Path, out: Path, file_type: str) -> Path:
+    """`qwen35moe-k-<file_type>.gguf` by llama.cpp's quantizer from the converter's F32 file of the
+    K checkpoint (built in `work` once), and llama.cpp's own logits on it beside it."""
+    name = "qwen35moe-k"
+    if not (work / f"{name}-f32.gguf").is_file():
+        qwen35_k_checkpoint(work / name)
+        convert(llama, work / name, work / f"{name}-f32.gguf", "f32", "qwen35", ["--no-mtp"])
+    path = out / f"{name}-{file_type}.gguf"
+    llama_quantize(work / f"{name}-f32.gguf", path, K_FTYPES[file_type])
+    tokens = _encode(work / name)
+    theirs = {"tokens": torch.tensor(tokens), "logits": llama_cpp_logits(path, tokens)}
+    save_file(theirs, str(out / f"{name}-{file_type}.llama_cpp_logits.safetensors"))
+    return path
+
+
+def replace_manifest_entry(manifest: Path, path: Path) -> None:
+    """MANIFEST.txt with `path`'s section (from its "## name" line to the next) replaced, or added last."""
+    text = manifest.read_text()
+    head, *sections = re.split(r"(?m)^(?=## )", text)
+    sections = [s for s in sections if not s.startswith(f"## {path.name} ")] + [manifest_entry(path)]
+    manifest.write_text(head + "\n".join(s.rstrip("\n") + "\n" for s in sections))
+
+
 def manifest_entry(path: Path) -> str:
     """The file's metadata (long arrays and strings summarised) and tensors, as gguf-py reads them."""
     reader = GGUFReader(path)
@@ -268,7 +298,10 @@ def main() -> None:
     parser.add_argument("--sdist", type=Path, help=f"{SDIST} as .tar.gz or extracted (default: pip download it)")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument(
-        "--quantizer", action="store_true", help="also write the K-quant fixture (needs llama-cpp-python installed)"
+        "--quantizer", action="store_true", help="also write the K-quant fixtures (needs llama-cpp-python installed)"
+    )
+    parser.add_argument(
+        "--only", choices=sorted(K_FTYPES), help="with --quantizer: write only this K-quant fixture, keep the rest"
     )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -276,6 +309,11 @@ def main() -> None:
         work = Path(tmp)
         llama = llama_cpp_dir(args.sdist, work)
         version = converter_version(llama)
+        if args.only:
+            if not args.quantizer:
+                parser.error("--only needs --quantizer")
+            replace_manifest_entry(args.out / "MANIFEST.txt", k_fixture(llama, work, args.out, args.only))
+            return
         # name: (build, pre-tokenizer, converter options, output types)
         models = {
             "qwen3next-tiny": (qwen3next_checkpoint, "qwen2", ["--no-mtp"], ["f32", "q8_0", "bf16"]),
@@ -307,10 +345,7 @@ def main() -> None:
                 f"{name}.logits.safetensors: tokens {tokens}, logits {list(logits.shape)}, min_topk_margin {margin:.6f}"
             )
             convert(llama, work / name, work / f"{name}-f32.gguf", "f32", "qwen35", ["--no-mtp"])
-            files.append(args.out / f"{name}-q4_k_m.gguf")
-            llama_quantize(work / f"{name}-f32.gguf", files[-1], 15)  # LLAMA_FTYPE_MOSTLY_Q4_K_M
-            theirs = {"tokens": torch.tensor(tokens), "logits": llama_cpp_logits(files[-1], tokens)}
-            save_file(theirs, str(args.out / f"{name}-q4_k_m.llama_cpp_logits.safetensors"))
+            files += [k_fixture(llama, work, args.out, file_type) for file_type in K_FTYPES]
     header = [
         f"# GGUF fixtures written by {version}'s convert_hf_to_gguf.py (scripts/make_gguf_fixtures.py)",
         "",

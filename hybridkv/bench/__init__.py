@@ -91,10 +91,10 @@ def add_parser(commands: Any) -> None:
     bench.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and compute (float32)")
     bench.add_argument(
         "--gguf",
-        choices=["q8_0", "q4_k_m"],
+        choices=["q8_0", "q4_k_m", "q3_k_m", "q2_k"],
         default="q8_0",
         help="with --peer llama.cpp and no --model: the shape's file, written beside its checkpoint (q8_0: "
-        "hybridkv quantize; q4_k_m: llama.cpp's quantizer, needs the [peers] extra)",
+        "hybridkv quantize; the K-quant mixtures: llama.cpp's quantizer, needs the [peers] extra)",
     )
     bench.add_argument(
         "--kv-dtype",

@@ -302,13 +302,15 @@ def print_llama_cpp(document: dict[str, Any], console: Any) -> None:
         )
 
 
-GGUF_TYPES = {"q8_0": None, "q4_k_m": 15}  # file type → llama_ftype of llama.cpp's quantizer (None: ours)
+# file type → llama_ftype of llama.cpp's quantizer (None: ours)
+GGUF_TYPES = {"q8_0": None, "q4_k_m": 15, "q3_k_m": 12, "q2_k": 10}
 
 
 def shape_file(checkpoint: Path, file_type: str, log: Callable[[str], None] = print) -> Path:
     """The bench shape's checkpoint as a GGUF file beside it, written the first time: Q8_0 by
-    `hybridkv quantize`; Q4_K_M by llama.cpp's own quantizer (`llama_model_quantize`) from our
-    BF16 file, so the K-quant file is llama.cpp's as a user would make it."""
+    `hybridkv quantize`; the K-quant mixtures (Q4_K_M, Q3_K_M, Q2_K) by llama.cpp's own quantizer
+    (`llama_model_quantize`) from our BF16 file, so the K-quant file is llama.cpp's as a user would
+    make it."""
     path = checkpoint.with_name(f"{checkpoint.name}-{file_type}.gguf")
     if path.is_file():
         log(f"using {path}")

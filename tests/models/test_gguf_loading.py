@@ -30,7 +30,7 @@ MODELS = {"qwen3next-tiny": "qwen3_next", "qwen35-tiny": "qwen3_5", "qwen35moe-t
 def golden(name: str) -> tuple[list[int], torch.Tensor]:
     """The token ids and transformers' float32 logits on the checkpoint the files were converted
     from; `name` is the model's or one of its files' (`qwen35-tiny-q8_0.gguf`)."""
-    name = re.sub(r"-(f32|bf16|q8_0|q4_k_m)\.gguf$", "", name)
+    name = re.sub(r"-(f32|bf16|q8_0|q4_k_m|q2_k)\.gguf$", "", name)
     data = load_file(DATA / f"{name}.logits.safetensors")
     return data["tokens"].tolist(), data["logits"]
 
@@ -66,6 +66,7 @@ def dequantized_checkpoint(gguf_path: Path, out: Path) -> Path:
         "qwen35-tiny-q8_0.gguf",
         "qwen35moe-tiny-q8_0.gguf",
         "qwen35moe-k-q4_k_m.gguf",  # llama.cpp's own Q4_K_M: Q4_K and Q6_K blocks
+        "qwen35moe-k-q2_k.gguf",  # llama.cpp's own Q2_K: Q2_K, Q3_K and Q6_K blocks
     ],
 )
 def test_a_quantized_file_gives_transformers_logits_on_its_dequantized_weights(file, tmp_path):
@@ -80,8 +81,8 @@ def test_a_quantized_file_gives_transformers_logits_on_its_dequantized_weights(f
     assert_close(ours, want)
     assert_close(run(load_model(DATA / file, keep_blocks=False), tokens), want)
     # and near the float model (a tiny random model has small margins: 8-bit rounding flips a few;
-    # at 4 bits most, so the Q4_K_M file is held to transformers on its own weights only)
-    if "q4_k" not in file:
+    # at 2-4 bits most, so the K-quant files are held to transformers on their own weights only)
+    if "_k" not in file:
         assert (ours.argmax(-1) == original.argmax(-1)).float().mean() >= 0.6
 
 
@@ -216,13 +217,13 @@ def test_what_cannot_be_read_is_named(tmp_path):
         )
 
     # a tensor of a type hybridkv does not read: named with its type, before any weight is read
-    def q2k(name: str, data, kind):
+    def iq2(name: str, data, kind):
         if name == "blk.0.ffn_down.weight":
-            return [(name, np.zeros((data.shape[0], 84), np.uint8), GGMLQuantizationType.Q2_K)]  # one block a row
+            return [(name, np.zeros((data.shape[0], 66), np.uint8), GGMLQuantizationType.IQ2_XXS)]  # one block a row
         return [(name, data, kind)]
 
-    bad = rewrite(DATA / "qwen35-tiny-f32.gguf", tmp_path / "q2k.gguf", tensors=q2k)
-    with pytest.raises(NotSupported, match=r"blk\.0\.ffn_down\.weight.*Q2_K"):
+    bad = rewrite(DATA / "qwen35-tiny-f32.gguf", tmp_path / "iq2.gguf", tensors=iq2)
+    with pytest.raises(NotSupported, match=r"blk\.0\.ffn_down\.weight.*IQ2_XXS"):
         load_model(bad)
 
 

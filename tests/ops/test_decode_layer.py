@@ -125,7 +125,13 @@ def test_qwen35_layers_in_one_call_equal_op_by_op(
 
 @pytest.mark.parametrize(
     "name",
-    ["qwen35moe-k-q4_k_m.gguf", "qwen3next-wide-q4_k_m.gguf", "qwen35moe-tiny-q8_0.gguf", "qwen35-tiny-q8_0.gguf"],
+    [
+        "qwen35moe-k-q4_k_m.gguf",
+        "qwen35moe-k-q2_k.gguf",
+        "qwen3next-wide-q4_k_m.gguf",
+        "qwen35moe-tiny-q8_0.gguf",
+        "qwen35-tiny-q8_0.gguf",
+    ],
 )
 def test_llama_cpp_files_layers_in_one_call_equal_op_by_op(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # llama.cpp's converter and quantizer's files (tests/data/gguf): their type mixtures, experts

@@ -28,7 +28,7 @@ needs_native = pytest.mark.skipif(native.kernels() is None, reason="C++ kernels 
 
 # Byte offsets of each block type's fp16 scales: random bytes there could be NaN or inf.
 F16_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "IQ4_NL": [0]}
-F16_FIELDS |= {"Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+F16_FIELDS |= {"Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
 FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16}
 
 
@@ -85,7 +85,7 @@ def test_dequantize_in_chunks_into_out(t: BlockType, monkeypatch: pytest.MonkeyP
         dequantize_rows(torch.from_numpy(rows), t.ggml_type, out=torch.empty(13, 512))
 
 
-@pytest.mark.parametrize(("type_id", "name"), [(10, "Q2_K"), (23, "IQ4_XS"), (39, "MXFP4"), (99, "unknown")])
+@pytest.mark.parametrize(("type_id", "name"), [(16, "IQ2_XXS"), (23, "IQ4_XS"), (39, "MXFP4"), (99, "unknown")])
 def test_unsupported_types_are_named(type_id: int, name: str) -> None:
     with pytest.raises(UnsupportedTypeError, match=rf"ggml type {name} \(id {type_id}\) is not supported.*Q6_K"):
         block_type(type_id)

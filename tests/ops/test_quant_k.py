@@ -1,4 +1,4 @@
-"""K-quant integer matmuls (Q4_K, Q5_K, Q6_K on Q8_K activations) against a NumPy emulation of
+"""K-quant integer matmuls (Q2_K to Q6_K on Q8_K activations) against a NumPy emulation of
 llama.cpp's arithmetic, written from its C (`quantize_row_q8_K_ref`, `ggml_vec_dot_q*_K_q8_K`):
 activation blocks and integer sums exactly, floats to rounding; and against gguf-py's dequantized
 weights in float64."""
@@ -16,7 +16,9 @@ from hybridkv.ops.quant import GGMLType, QuantizedWeight, block_type, int8_dot, 
 from hybridkv.ops.quant import blocks as block_fns
 from hybridkv.ops.quant.weight import for_kernels
 
-K_QUANTS = [GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
+K_QUANTS = [GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
+# Codes stored unsigned with the offset in M (d·sc·(q − offset)): the float step is d·(S − M).
+MINS_IN_D = (GGMLType.Q3_K, GGMLType.Q6_K)
 # The kernels' types: the file's, and Q4_K as repacked at load (checked against Q4_K's emulation).
 KERNEL_TYPES = [*K_QUANTS, GGMLType.Q4_K_R]
 SHAPES = [
@@ -71,11 +73,42 @@ def k4_scales_mins(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return b[..., :8], b[..., 8:]
 
 
+def q3_k_scales(scales: np.ndarray) -> np.ndarray:
+    """Q3_K scale bytes [..., 12] → the 16 signed scales by the C code's kmask word shuffle (aux[0..3]
+    of `ggml_vec_dot_q3_K_q8_K_generic`), less 32."""
+    u = scales.copy().view("<u4")  # [..., 3]
+    k1, k2 = np.uint32(0x03030303), np.uint32(0x0F0F0F0F)
+    a, b, tmp = u[..., 0], u[..., 1], u[..., 2]
+    words = [
+        (a & k2) | ((tmp & k1) << 4),
+        (b & k2) | (((tmp >> 2) & k1) << 4),
+        ((a >> 4) & k2) | (((tmp >> 4) & k1) << 4),
+        ((b >> 4) & k2) | (((tmp >> 6) & k1) << 4),
+    ]
+    return np.stack(words, axis=-1).astype("<u4").view(np.int8).astype(np.int64) - 32
+
+
 def emulate_codes(rows: np.ndarray, t: GGMLType) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Weight rows → (unsigned codes [N, nb, n_sub, sub], scales, mins [N, nb, n_sub] in units of
     the activation bsums of each sub-block, d, dmin float32 [N, nb]), as the C code unpacks them."""
     N = rows.shape[0]
     b = rows.reshape(N, -1, block_type(t).block_bytes)
+    if t in (GGMLType.Q2_K, GGMLType.Q3_K):
+        # Per 128-weight half h and shift 2j: weights 128h + 32j + l from qs[32h + l] (the C loops'
+        # q2/q3 += 32 per half, shift += 2 per j); Q3_K subtracts 4 where hmask[l] bit 4h + j is clear.
+        at = 16 if t == GGMLType.Q2_K else 32
+        qs = b[..., at : at + 64].reshape(N, -1, 2, 1, 32)
+        codes = ((qs >> (2 * np.arange(4))[:, None]) & 3).astype(np.int64)  # [N, nb, h, j, 32]
+        if t == GGMLType.Q2_K:
+            sc = b[..., :16].astype(np.int64)
+            d, dmin = (b[..., at : at + 2].copy().view(np.float16).astype(np.float32)[..., 0] for at in (80, 82))
+            return codes.reshape(N, -1, 16, 16), sc & 15, sc >> 4, d, dmin
+        hm = b[..., :32].reshape(N, -1, 1, 1, 32)
+        bit = (hm >> (4 * np.arange(2)[:, None, None] + np.arange(4)[:, None])) & 1  # [N, nb, h, j, 32]
+        signed = codes - 4 * (1 - bit.astype(np.int64))
+        sc = q3_k_scales(b[..., 96:108])
+        d = b[..., 108:110].copy().view(np.float16).astype(np.float32)[..., 0]
+        return (signed + 4).reshape(N, -1, 16, 16), sc, 4 * sc, d, d
     if t == GGMLType.Q6_K:
         ql, qh = b[..., :128].reshape(N, -1, 2, 64), b[..., 128:192].reshape(N, -1, 2, 32)
         parts = [
@@ -110,7 +143,7 @@ def emulate(x: np.ndarray, rows: np.ndarray, t: GGMLType) -> tuple[np.ndarray, n
     S = (sub_sums * sc).sum(-1)
     M = np.einsum("tbj,nbj->tnb", x_sums, mn)
     dd = (d[None] * dx[:, None]).astype(np.float64)
-    if t == GGMLType.Q6_K:
+    if t in MINS_IN_D:
         y = (dd * (S - M)).sum(-1)
     else:
         y = (dd * S - (dmin[None] * dx[:, None]).astype(np.float64) * M).sum(-1)
@@ -181,14 +214,15 @@ def test_integer_sums_equal_the_emulation_exactly(t: GGMLType, T: int, K: int, N
         assert np.array_equal(k_dot.native_superblock_sums(xq, w, t, isa).numpy(), want_sums), isa
 
 
-def test_q6_k_sums_are_llama_cpp_generic_signed_ones() -> None:
-    # The generic C code subtracts 32 from each code; the AVX2 one subtracts 32·Σ sc·bsum: the same S − M.
+@pytest.mark.parametrize(("t", "offset"), [(GGMLType.Q6_K, 32), (GGMLType.Q3_K, 4)], ids=["Q6_K", "Q3_K"])
+def test_sums_with_the_offset_in_m_are_llama_cpp_generic_signed_ones(t: GGMLType, offset: int) -> None:
+    # The generic C code subtracts the offset from each code; the kernels subtract offset·Σ sc·bsum: the same S − M.
     x = activations(3, 512, seed=0)
-    rows = weight_rows(GGMLType.Q6_K, 5, 512, seed=0)
-    sub, sums, _ = emulate(x.numpy(), rows, GGMLType.Q6_K)
+    rows = weight_rows(t, 5, 512, seed=0)
+    sub, sums, _ = emulate(x.numpy(), rows, t)
     q, _, _ = emulate_q8_k(x.numpy())
-    codes, sc, _, _, _ = emulate_codes(rows, GGMLType.Q6_K)
-    signed = np.einsum("nbjl,tbjl->tnbj", codes - 32, q.reshape(3, 2, 16, 16).astype(np.int64))
+    codes, sc, _, _, _ = emulate_codes(rows, t)
+    signed = np.einsum("nbjl,tbjl->tnbj", codes - offset, q.reshape(3, 2, 16, 16).astype(np.int64))
     assert np.array_equal((signed * sc).sum(-1), sums[..., 0] - sums[..., 1])
 
 
@@ -243,6 +277,7 @@ def test_matmul_parts_is_each_parts_product_side_by_side(T: int) -> None:
     """A projection in parts of different K-quant types (a Q4_K_M file's q|k|v and z) in one call:
     each part's columns exactly what its own call gives (the same quantized activations)."""
     K, f = 512, [(GGMLType.Q6_K, 19), (GGMLType.Q4_K_R, 16), (GGMLType.Q5_K, 9), (GGMLType.Q4_K, 8)]
+    f += [(GGMLType.Q3_K, 17), (GGMLType.Q2_K, 5)]
     x = activations(T, K, seed=T)
     ws = [kernel_rows(t, weight_rows(file_type(t), N, K, seed=N)) for t, N in f]
     for isa in k_dot.available_isas():

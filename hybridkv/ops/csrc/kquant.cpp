@@ -115,7 +115,7 @@ struct Sums {
 // Each type: its block layout, where its d (and dmin) sit, and the integer sums of one super-block
 // pair — `scalar` plainly, `avx2` as 8 lanes of S and of M (the lanes add up to S and M).
 struct Q4K {
-  static constexpr int bytes = 144, d_at = 0, dmin_at = 2;
+  static constexpr int bytes = 144, d_at = 0, dmin_at = 2, scale_codes = 32;  // codes a scale covers
   static constexpr bool mins_in_d = false, permuted = false;
 
   // The activation sums the mins multiply: [0 x 8 | sub-block j's sum, a pair of bsums, x 8].
@@ -146,7 +146,7 @@ struct Q4K {
 };
 
 struct Q5K {
-  static constexpr int bytes = 176, d_at = 0, dmin_at = 2;
+  static constexpr int bytes = 176, d_at = 0, dmin_at = 2, scale_codes = 32;
   static constexpr bool mins_in_d = false, permuted = false;
 
   static void min_sums(const int16_t* bsums, int16_t* xs) { Q4K::min_sums(bsums, xs); }
@@ -174,7 +174,7 @@ struct Q5K {
 };
 
 struct Q6K {
-  static constexpr int bytes = 210, d_at = 208, dmin_at = -1;
+  static constexpr int bytes = 210, d_at = 208, dmin_at = -1, scale_codes = 16;
   static constexpr bool mins_in_d = true, permuted = false;
 
   static void min_sums(const int16_t* bsums, int16_t* xs) { std::memcpy(xs, bsums, 16 * sizeof(int16_t)); }
@@ -203,6 +203,68 @@ struct Q6K {
 #endif
 };
 
+// Q2_K and Q3_K hold weight 128h + 32j + l (l < 32) in bits 2j, 2j+1 of qs byte 32h + l: the code's
+// low 2 bits (`dequantize_row_q2_K`, `_q3_K`).
+inline int k2_code(const uint8_t* qs, int i) { return (qs[32 * (i / 128) + i % 32] >> (2 * ((i % 128) / 32))) & 3; }
+
+// Q3_K's 12 scale bytes → its 16 signed scales (the stored 6 bits less 32): scale j's low 4 bits are
+// the low (j < 8) or high (j >= 8) nibble of byte j % 8, its top 2 bits bits 2·(j / 4) of byte 8 + j % 4.
+inline void q3k_scales(const uint8_t* s, int8_t* sc) {
+  for (int j = 0; j < 16; ++j)
+    sc[j] = static_cast<int8_t>((((s[j % 8] >> (4 * (j / 8))) & 15) | (((s[8 + j % 4] >> (2 * (j / 4))) & 3) << 4)) - 32);
+}
+
+// Q2_K: u8 scales[16] (sub-block j's scale in the low nibble, its min in the high one), u8 qs[64],
+// f16 d, f16 dmin; 16 sub-blocks of 16, weight (d·sc_j)·q − dmin·m_j with q in 0..3.
+struct Q2K {
+  static constexpr int bytes = 84, d_at = 80, dmin_at = 82, scale_codes = 16;
+  static constexpr bool mins_in_d = false, permuted = false;
+
+  static void min_sums(const int16_t* bsums, int16_t* xs) { std::memcpy(xs, bsums, 16 * sizeof(int16_t)); }
+
+  ALWAYS_INLINE static Sums scalar(const uint8_t* w, const int8_t* a, const int16_t* xs) {
+    Sums r{0, 0};
+    for (int j = 0; j < 16; ++j) {
+      int32_t dot = 0;
+      for (int i = 16 * j; i < 16 * j + 16; ++i) dot += k2_code(w + 16, i) * a[i];
+      r.s += (w[j] & 15) * dot;
+      r.m += (w[j] >> 4) * xs[j];
+    }
+    return r;
+  }
+#ifdef __AVX2__
+  ALWAYS_INLINE static void avx2(const uint8_t* w, const int8_t* a, const int16_t* xs, __m256i& s, __m256i& m);
+#endif
+};
+
+// Q3_K: u8 hmask[32] (bit 2 of weight 32b + l at bit b of byte l), u8 qs[64], u8 scales[12], f16 d;
+// 16 sub-blocks of 16, weight d·sc_j·(q − 4) with q in 0..7 (llama.cpp subtracts 4 where the hmask
+// bit is clear). As Q6_K: unsigned codes, the offset in M (m_j = 4·sc_j in units of d).
+struct Q3K {
+  static constexpr int bytes = 110, d_at = 108, dmin_at = -1, scale_codes = 16;
+  static constexpr bool mins_in_d = true, permuted = false;
+
+  static void min_sums(const int16_t* bsums, int16_t* xs) { std::memcpy(xs, bsums, 16 * sizeof(int16_t)); }
+
+  static int code(const uint8_t* w, int i) { return k2_code(w + 32, i) | (((w[i % 32] >> (i / 32)) & 1) << 2); }
+
+  ALWAYS_INLINE static Sums scalar(const uint8_t* w, const int8_t* a, const int16_t* xs) {
+    int8_t sc[16];
+    q3k_scales(w + 96, sc);
+    Sums r{0, 0};
+    for (int j = 0; j < 16; ++j) {
+      int32_t dot = 0;
+      for (int i = 16 * j; i < 16 * j + 16; ++i) dot += code(w, i) * a[i];
+      r.s += sc[j] * dot;
+      r.m += 4 * sc[j] * xs[j];
+    }
+    return r;
+  }
+#ifdef __AVX2__
+  ALWAYS_INLINE static void avx2(const uint8_t* w, const int8_t* a, const int16_t* xs, __m256i& s, __m256i& m);
+#endif
+};
+
 // Q4_K as repacked in memory at load (ggml type 12's bytes, never written to a file; id
 // `kQ4KR`): d, dmin and the 12 scale bytes as in Q4_K, the 128 code bytes permuted in 4-byte
 // groups so that a 32-byte chunk's lanes hold different sub-blocks. Chunk c's lane j (bytes
@@ -213,7 +275,7 @@ struct Q6K {
 // (`permute`); so do the 2-15-row products (`unpack_lanes`: per-lane scales). The 8- and 16-row
 // products unpack the chunks back to Q4_K's order (`unpack`). The exact same integers S and M as Q4_K.
 struct Q4KR {
-  static constexpr int bytes = 144, d_at = 0, dmin_at = 2;
+  static constexpr int bytes = 144, d_at = 0, dmin_at = 2, scale_codes = 32;
   static constexpr bool mins_in_d = false, permuted = true;
 
   static void min_sums(const int16_t* bsums, int16_t* xs) { Q4K::min_sums(bsums, xs); }
@@ -502,6 +564,46 @@ ALWAYS_INLINE void unpack(Q6K, const uint8_t* w, Unpacked& u) {
   store(u.mins, _mm256_slli_epi16(sc16, 5));  // 32·sc_j: |.| <= 4096 fits i16
 }
 
+// Q2_K / Q3_K: code vector 4h + j is qs bytes 32h..32h+31 shifted by 2j (Q3_K: hmask bit 4h + j as
+// bit 2); scales per 16 codes in Q6_K's pairs; mins Q2_K's high nibbles, Q3_K's 4·sc.
+ALWAYS_INLINE void unpack_k2_codes(const uint8_t* qs, const uint8_t* hmask, Unpacked& u) {
+  const __m256i m3 = _mm256_set1_epi8(3), bit2 = _mm256_set1_epi8(4);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i bits = load(qs + 32 * h);
+    for (int j = 0; j < 4; ++j) {
+      __m256i c = _mm256_and_si256(_mm256_srli_epi16(bits, 2 * j), m3);
+      if (hmask != nullptr) {
+        const __m256i hm = load(hmask);
+        c = _mm256_or_si256(c, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hm, 4 * h + j), 2), bit2));
+      }
+      store(u.codes + 128 * h + 32 * j, c);
+    }
+  }
+}
+
+ALWAYS_INLINE void unpack_k2_scales(__m256i sc16, Unpacked& u) {
+  for (int h = 0; h < 2; ++h) {
+    const __m256i half = half_scales(sc16, h);
+    for (int i = 0; i < 4; ++i) store(u.scales[4 * h + i], pair_of_half(half, i));
+  }
+}
+
+ALWAYS_INLINE void unpack(Q2K, const uint8_t* w, Unpacked& u) {
+  unpack_k2_codes(w + 16, nullptr, u);
+  const __m256i packed = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  unpack_k2_scales(_mm256_and_si256(packed, _mm256_set1_epi16(15)), u);
+  store(u.mins, _mm256_srli_epi16(packed, 4));
+}
+
+ALWAYS_INLINE void unpack(Q3K, const uint8_t* w, Unpacked& u) {
+  unpack_k2_codes(w + 32, w, u);
+  alignas(16) int8_t sc[16];
+  q3k_scales(w + 96, sc);
+  const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(sc)));
+  unpack_k2_scales(sc16, u);
+  store(u.mins, _mm256_slli_epi16(sc16, 2));  // 4·sc_j
+}
+
 // What `unpacked_dot` meets `dot_order` activations with: `unpack`, or for a repacked type its
 // chunks as they lie, each lane scaled by its own sub-block (no permutation back).
 template <class KT>
@@ -541,6 +643,22 @@ ALWAYS_INLINE __m256i unpacked_dot(const Held& h, const int8_t* a) {
 #endif
   }
   return _mm256_add_epi32(s0, s1);
+}
+
+// Q2_K's and Q3_K's one-row product: the block unpacked, then `unpacked_dot` (a generic form: the
+// codes go through memory once per block, where the other types decode them in registers).
+template <class KT>
+ALWAYS_INLINE void unpacked_avx2(const uint8_t* w, const int8_t* a, const int16_t* xs, __m256i& s, __m256i& m) {
+  Unpacked u;
+  unpack(KT{}, w, u);
+  s = unpacked_dot(hold(u), a);
+  m = _mm256_madd_epi16(load(u.mins), load(xs));
+}
+ALWAYS_INLINE void Q2K::avx2(const uint8_t* w, const int8_t* a, const int16_t* xs, __m256i& s, __m256i& m) {
+  unpacked_avx2<Q2K>(w, a, xs, s, m);
+}
+ALWAYS_INLINE void Q3K::avx2(const uint8_t* w, const int8_t* a, const int16_t* xs, __m256i& s, __m256i& m) {
+  unpacked_avx2<Q3K>(w, a, xs, s, m);
 }
 
 #ifdef HYBRIDKV_ZMM
@@ -793,12 +911,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows_q8_k(const at::Tens
 
 int block_bytes(int64_t ggml_type) {
   switch (ggml_type) {
+    case 10: return Q2K::bytes;
+    case 11: return Q3K::bytes;
     case 12: return Q4K::bytes;
     case 13: return Q5K::bytes;
     case 14: return Q6K::bytes;
     case kQ4KR: return Q4KR::bytes;
   }
-  TORCH_CHECK(false, "K-quant kernels take ggml types 12 (Q4_K), 13 (Q5_K), 14 (Q6_K) and ", kQ4KR,
+  TORCH_CHECK(false, "K-quant kernels take ggml types 10 (Q2_K), 11 (Q3_K), 12 (Q4_K), 13 (Q5_K), 14 (Q6_K) and ", kQ4KR,
               " (Q4_K repacked at load), not ", ggml_type);
   return 0;
 }
@@ -889,7 +1009,7 @@ template <class KT, int R>
 ALWAYS_INLINE void kdot8_rows(const __m256i* ct, const int32_t (*scales)[8], const __m256i* mn, __m256 dw, __m256 dmin,
                               const int8_t* a, int64_t K, int64_t b, int64_t nb, const float* dx, const int16_t* xs,
                               const int64_t* rows, __m256* acc) {
-  constexpr int G = KT::mins_in_d ? 1 : 2;  // 16-code groups a scale covers
+  constexpr int G = KT::scale_codes / 16;  // 16-code groups a scale covers
   const int32_t* x[R];
   for (int i = 0; i < R; ++i) x[i] = reinterpret_cast<const int32_t*>(a + rows[i] * K + b * QK_K);
   __m256i S[R];
@@ -972,7 +1092,7 @@ template <class KT, int R>
 ALWAYS_INLINE void kdot16_rows(const __m512i* ct, const int32_t (*scales)[16], const __m512i* mn, __m512 dw,
                                __m512 dmin, const int8_t* a, int64_t K, int64_t b, int64_t nb, const float* dx,
                                const int16_t* xs, const int64_t* rows, __m512* acc) {
-  constexpr int G = KT::mins_in_d ? 1 : 2;  // 16-code groups a scale covers
+  constexpr int G = KT::scale_codes / 16;  // 16-code groups a scale covers
   const int32_t* x[R];
   for (int i = 0; i < R; ++i) x[i] = reinterpret_cast<const int32_t*>(a + rows[i] * K + b * QK_K);
   __m512i S[R];
@@ -1201,6 +1321,24 @@ void dequantize_q6k(const uint8_t* w, float* out) {
   }
 }
 
+// One Q2_K super-block → 256 float32 weights: (d·sc_j)·q − dmin·m_j over 16 sub-blocks of 16
+// ((d·sc_j)·q is exact in float32, so a fused multiply-add rounds as the twin's two steps).
+void dequantize_q2k(const uint8_t* w, float* out) {
+  const float d = fp16(w + 80), dmin = fp16(w + 82);
+  for (int i = 0; i < QK_K; ++i) {
+    const float scale = d * static_cast<float>(w[i / 16] & 15), offset = dmin * static_cast<float>(w[i / 16] >> 4);
+    out[i] = static_cast<float>(k2_code(w + 16, i)) * scale - offset;
+  }
+}
+
+// One Q3_K super-block → 256 float32 weights: (q − 4)·(d·sc_j) over 16 sub-blocks of 16.
+void dequantize_q3k(const uint8_t* w, float* out) {
+  const float d = fp16(w + 108);
+  int8_t sc[16];
+  q3k_scales(w + 96, sc);
+  for (int i = 0; i < QK_K; ++i) out[i] = static_cast<float>(Q3K::code(w, i) - 4) * (d * static_cast<float>(sc[i / 16]));
+}
+
 // Rows ids of K-quant rows w [V, K/256·bytes] as float32 [n, K]: an embedding lookup on a file's
 // blocks, bit-identical to `QuantizedWeight.dequantize` of those rows (one call instead of the
 // dozen PyTorch ops of the twin, ~0.3 ms a 0.8B decode step).
@@ -1222,6 +1360,8 @@ at::Tensor kq_dequantize_rows(const at::Tensor& w, const at::Tensor& ids_in, int
       const uint8_t* blk = wp + (id[b / nb] * nb + b % nb) * bytes;
       float* dst = op + b * QK_K;
       switch (ggml_type) {
+        case 10: dequantize_q2k(blk, dst); break;
+        case 11: dequantize_q3k(blk, dst); break;
         case 12: dequantize_k4<Q4K>(blk, dst); break;
         case 13: dequantize_k4<Q5K>(blk, dst); break;
         case 14: dequantize_q6k(blk, dst); break;
@@ -1245,6 +1385,8 @@ at::Tensor kq_superblock_sums(const at::Tensor& q_in, const at::Tensor& bsums_in
                                     out.data_ptr<int32_t>());
   const bool avx2 = path == Isa::Avx2;
   switch (ggml_type) {
+    case 10: std::apply(avx2 ? sums_impl<Q2K, Isa::Avx2> : sums_impl<Q2K, Isa::Scalar>, args); break;
+    case 11: std::apply(avx2 ? sums_impl<Q3K, Isa::Avx2> : sums_impl<Q3K, Isa::Scalar>, args); break;
     case 12: std::apply(avx2 ? sums_impl<Q4K, Isa::Avx2> : sums_impl<Q4K, Isa::Scalar>, args); break;
     case 13: std::apply(avx2 ? sums_impl<Q5K, Isa::Avx2> : sums_impl<Q5K, Isa::Scalar>, args); break;
     case 14: std::apply(avx2 ? sums_impl<Q6K, Isa::Avx2> : sums_impl<Q6K, Isa::Scalar>, args); break;
@@ -1258,6 +1400,8 @@ void matmul_into(const Q8K& xq, const at::Tensor& w, int64_t N, int64_t ggml_typ
   const auto args = std::make_tuple(std::cref(xq), w.data_ptr<uint8_t>(), N, y, ldy);
   const bool avx2 = path == Isa::Avx2;
   switch (ggml_type) {
+    case 10: std::apply(avx2 ? matmul_impl<Q2K, Isa::Avx2> : matmul_impl<Q2K, Isa::Scalar>, args); break;
+    case 11: std::apply(avx2 ? matmul_impl<Q3K, Isa::Avx2> : matmul_impl<Q3K, Isa::Scalar>, args); break;
     case 12: std::apply(avx2 ? matmul_impl<Q4K, Isa::Avx2> : matmul_impl<Q4K, Isa::Scalar>, args); break;
     case 13: std::apply(avx2 ? matmul_impl<Q5K, Isa::Avx2> : matmul_impl<Q5K, Isa::Scalar>, args); break;
     case 14: std::apply(avx2 ? matmul_impl<Q6K, Isa::Avx2> : matmul_impl<Q6K, Isa::Scalar>, args); break;
@@ -1369,6 +1513,8 @@ at::Tensor kq_experts_matmul(const at::Tensor& x, const at::Tensor& w, const at:
   at::Tensor y = at::empty({P, N}, x.options().dtype(at::kFloat));
   const auto args = std::make_tuple(std::cref(xq), w.data_ptr<uint8_t>(), idp, N, y.data_ptr<float>());
   switch (ggml_type) {
+    case 10: std::apply(avx2 ? experts_impl<Q2K, Isa::Avx2> : experts_impl<Q2K, Isa::Scalar>, args); break;
+    case 11: std::apply(avx2 ? experts_impl<Q3K, Isa::Avx2> : experts_impl<Q3K, Isa::Scalar>, args); break;
     case 12: std::apply(avx2 ? experts_impl<Q4K, Isa::Avx2> : experts_impl<Q4K, Isa::Scalar>, args); break;
     case 13: std::apply(avx2 ? experts_impl<Q5K, Isa::Avx2> : experts_impl<Q5K, Isa::Scalar>, args); break;
     case 14: std::apply(avx2 ? experts_impl<Q6K, Isa::Avx2> : experts_impl<Q6K, Isa::Scalar>, args); break;

@@ -156,6 +156,49 @@ def q6_k_codes(blocks: torch.Tensor) -> torch.Tensor:
     return low | (high << 4)
 
 
+def q2_k_codes(blocks: torch.Tensor) -> torch.Tensor:
+    """Q2_K blocks (u8 scales[16], qs[64], f16 d, dmin) → q in 0..3, uint8 [B, 16, 16].
+
+    Per 128-weight half h, qs bytes 32h..32h+31 give weights 32j..32j+31 of the half from bits 2j,
+    2j+1: weight 128h + 32j + l from byte 32h + l (`dequantize_row_q2_K`)."""
+    return _fields(blocks[:, 16:80].reshape(-1, 32), 2).view(-1, 16, 16)
+
+
+def q3_k_codes(blocks: torch.Tensor) -> torch.Tensor:
+    """Q3_K blocks (u8 hmask[32], qs[64], scales[12], f16 d) → unsigned q in 0..7 (the weight is
+    q − 4), uint8 [B, 16, 16]: Q2_K's 2-bit fields of qs, bit 2 from hmask, weight 32b + l (b the
+    128-weight half times 4 plus the qs field) at bit b of hmask[l]. llama.cpp subtracts 4 where
+    that bit is clear, so the bit is the code's bit 2."""
+    low = _fields(blocks[:, 32:96].reshape(-1, 32), 2).view(-1, 16, 16)
+    high = _fields(blocks[:, :32], 1).view(-1, 16, 16)
+    return low | (high << 2)
+
+
+def q3_k_scales(blocks: torch.Tensor) -> torch.Tensor:
+    """Q3_K's 12 scale bytes → the 16 signed 6-bit scales, int32 [B, 16]: scale j's low 4 bits are
+    the low (j < 8) or high (j >= 8) nibble of byte j % 8, its top 2 bits bits 2·(j // 4) of byte
+    8 + j % 4; the stored value is offset by 32."""
+    sc = blocks[:, 96:108].int()
+    low = torch.cat([sc[:, :8] & 15, sc[:, :8] >> 4], dim=1)
+    high = (sc[:, 8:12].repeat(1, 4) >> torch.arange(0, 8, 2).repeat_interleave(4)) & 3
+    return (low | (high << 4)) - 32
+
+
+def q2_k(blocks: torch.Tensor) -> torch.Tensor:
+    """u8 scales[16] (scale low nibble, min high); u8 qs[64]; f16 d; f16 dmin → (d·sc_j)·q −
+    dmin·m_j over 16 sub-blocks of 16."""
+    sc = blocks[:, :16]
+    scale = (_f16(blocks, 80) * (sc & 15).float())[:, :, None]
+    offset = (_f16(blocks, 82) * (sc >> 4).float())[:, :, None]
+    return q2_k_codes(blocks).float().mul_(scale).sub_(offset).view(-1, QK_K)
+
+
+def q3_k(blocks: torch.Tensor) -> torch.Tensor:
+    """u8 hmask[32]; u8 qs[64]; u8 scales[12]; f16 d → (d·sc_j)·(q − 4) over 16 sub-blocks of 16."""
+    scale = (_f16(blocks, 108) * q3_k_scales(blocks).float())[:, :, None]
+    return q3_k_codes(blocks).float().sub_(4).mul_(scale).view(-1, QK_K)
+
+
 def _k_affine(blocks: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """(d·sc_j)·q − dmin·m_j over 8 sub-blocks of 32; q [B, 8, 32] uint8."""
     sc, mn = k_scales(blocks[:, 4:16])

@@ -1,4 +1,4 @@
-"""llama.cpp's decode scheme for the K-quants (Q4_K, Q5_K, Q6_K): integer dots on Q8_K activations.
+"""llama.cpp's decode scheme for the K-quants (Q2_K to Q6_K): integer dots on Q8_K activations.
 
 Each activation row is quantized once into Q8_K super-blocks of 256 (`quantize_rows_q8_k`): f32 d,
 i8 q[256] and the sums of each 16 q (bsums). A weight super-block (d, dmin, 6-bit per-sub-block
@@ -8,9 +8,11 @@ scales sc_j and mins m_j, unsigned codes q) meets one as two exact integers,
 
 and the float result is Σ over super-blocks of (d_w·d_x)·S − (dmin_w·d_x)·M: no per-weight float
 work. Q6_K has no min: its codes are q − 32, which llama.cpp writes as the unsigned q with
-m_j = 32·sc_j in units of d, so its super-block counts (d_w·d_x)·(S − M). This is the readable twin
-that the C++ kernel (`csrc/kquant.cpp`) matches: the same activation blocks bit for bit, the same
-integers S and M exactly, the float result up to summation order.
+m_j = 32·sc_j in units of d, so its super-block counts (d_w·d_x)·(S − M); Q3_K likewise with q − 4
+and m_j = 4·sc_j (its scales signed). Q2_K has 16 sub-blocks of 16 with a 4-bit scale and min
+each. This is the readable twin that the C++ kernel (`csrc/kquant.cpp`) matches: the same
+activation blocks bit for bit, the same integers S and M exactly, the float result up to
+summation order.
 
 Shapes: x [T, K] float32 (K a multiple of 256, nb = K/256); W rows uint8 [N, nb·block_bytes].
 """
@@ -38,8 +40,15 @@ class KType(NamedTuple):
     n_sub: int  # sub-blocks per super-block, each of 256/n_sub weights
 
 
-# Q4_K, Q5_K, Q6_K, and Q4_K repacked at load (`blocks.repack_q4_k`; hybridkv's id, not ggml's)
-K_TYPES = {12: KType(12, 144, 8), 13: KType(13, 176, 8), 14: KType(14, 210, 16), 1012: KType(1012, 144, 8)}
+# Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, and Q4_K repacked at load (`blocks.repack_q4_k`; hybridkv's id, not ggml's)
+K_TYPES = {
+    10: KType(10, 84, 16),
+    11: KType(11, 110, 16),
+    12: KType(12, 144, 8),
+    13: KType(13, 176, 8),
+    14: KType(14, 210, 16),
+    1012: KType(1012, 144, 8),
+}
 Q4_K_R = 1012
 
 
@@ -55,7 +64,7 @@ class Q8KRows(NamedTuple):
 class KRows(NamedTuple):
     """K-quant weight rows unpacked: q uint8 [N, nb, n_sub, 256/n_sub] (unsigned codes), scales and
     mins int32 [N, nb, n_sub], d float32 [N, nb], dmin float32 [N, nb] or None (Q6_K: mins are
-    32·sc in units of d)."""
+    32·sc in units of d; Q3_K: 4·sc)."""
 
     q: torch.Tensor
     scales: torch.Tensor
@@ -82,7 +91,7 @@ def quantize_rows_q8_k(x: torch.Tensor) -> Q8KRows:
 
 
 def split_k(rows: torch.Tensor, ggml_id: int) -> KRows:
-    """Q4_K / Q5_K / Q6_K rows uint8 [N, nb·block_bytes] → their codes, scales, mins and d's."""
+    """K-quant rows uint8 [N, nb·block_bytes] → their codes, scales, mins and d's."""
     if ggml_id == Q4_K_R:
         rows, ggml_id = blocks.unrepack_q4_k(rows), 12
     kt = K_TYPES[ggml_id]
@@ -97,6 +106,18 @@ def split_k(rows: torch.Tensor, ggml_id: int) -> KRows:
         q = blocks.q6_k_codes(b)
         scales = b[:, 192:208].contiguous().view(torch.int8).int()
         return KRows(q.view(N, nb, 16, 16), scales.view(N, nb, 16), 32 * scales.view(N, nb, 16), f16(208), None)
+    if ggml_id == 11:  # codes q − 4 as Q6_K's q − 32: mins 4·sc in units of d
+        scales = blocks.q3_k_scales(b).view(N, nb, 16)
+        return KRows(blocks.q3_k_codes(b).view(N, nb, 16, 16), scales, 4 * scales, f16(108), None)
+    if ggml_id == 10:
+        sc = b[:, :16].int()
+        return KRows(
+            blocks.q2_k_codes(b).view(N, nb, 16, 16),
+            (sc & 15).view(N, nb, 16),
+            (sc >> 4).view(N, nb, 16),
+            f16(80),
+            f16(82),
+        )
     q = blocks.q4_k_codes(b) if ggml_id == 12 else blocks.q5_k_codes(b)
     sc, mn = blocks.k_scales(b[:, 4:16])
     return KRows(q.view(N, nb, 8, 32), sc.int().view(N, nb, 8), mn.int().view(N, nb, 8), f16(0), f16(2))
@@ -125,7 +146,7 @@ def superblock_sums(x: Q8KRows, w: KRows) -> torch.Tensor:
 
 def k_matmul_twin(x: torch.Tensor, rows: torch.Tensor, ggml_id: int) -> torch.Tensor:
     """x [T, K] @ W.T → [T, N] float32 for K-quant rows: Σ over super-blocks of (d_w·d_x)·S −
-    (dmin_w·d_x)·M (Q6_K: (d_w·d_x)·(S − M)), in chunks of N so the integer sums stay small."""
+    (dmin_w·d_x)·M (Q3_K, Q6_K: (d_w·d_x)·(S − M)), in chunks of N so the integer sums stay small."""
     xq = quantize_rows_q8_k(x)
     T, N = x.shape[0], rows.shape[0]
     step = max(1, (1 << 20) // max(1, T * xq.d.shape[1] * K_TYPES[ggml_id].n_sub))
@@ -186,7 +207,7 @@ def native_k_dequantize_rows(rows: torch.Tensor, ids: torch.Tensor, ggml_id: int
 
 
 def k_matmul(ggml_id: int) -> MatmulFn:
-    """The traits table's product for a K-quant (Q4_K, Q5_K, Q6_K)."""
+    """The traits table's product for a K-quant (Q2_K to Q6_K)."""
     return kernel_or_twin(native_k_matmul, k_matmul_twin, ggml_id)
 
 

@@ -112,6 +112,8 @@ TRAITS: dict[GGMLType, BlockType] = {
         BlockType(_T.Q5_0, 32, 22, blocks.q5_0, _T.Q8_0, int8_dot.q8_matmul(_T.Q5_0)),
         BlockType(_T.Q5_1, 32, 24, blocks.q5_1, _T.Q8_1, int8_dot.q8_matmul(_T.Q5_1)),
         BlockType(_T.IQ4_NL, 32, 18, blocks.iq4_nl, _T.Q8_0, int8_dot.q8_matmul(_T.IQ4_NL)),
+        BlockType(_T.Q2_K, 256, 84, blocks.q2_k, _T.Q8_K, k_dot.k_matmul(_T.Q2_K)),
+        BlockType(_T.Q3_K, 256, 110, blocks.q3_k, _T.Q8_K, k_dot.k_matmul(_T.Q3_K)),
         BlockType(_T.Q4_K, 256, 144, blocks.q4_k, _T.Q8_K, k_dot.k_matmul(_T.Q4_K)),
         BlockType(_T.Q5_K, 256, 176, blocks.q5_k, _T.Q8_K, k_dot.k_matmul(_T.Q5_K)),
         BlockType(_T.Q6_K, 256, 210, blocks.q6_k, _T.Q8_K, k_dot.k_matmul(_T.Q6_K)),
