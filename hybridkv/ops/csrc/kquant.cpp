@@ -208,10 +208,19 @@ struct Q6K {
 inline int k2_code(const uint8_t* qs, int i) { return (qs[32 * (i / 128) + i % 32] >> (2 * ((i % 128) / 32))) & 3; }
 
 // Q3_K's 12 scale bytes → its 16 signed scales (the stored 6 bits less 32): scale j's low 4 bits are
-// the low (j < 8) or high (j >= 8) nibble of byte j % 8, its top 2 bits bits 2·(j / 4) of byte 8 + j % 4.
+// the low (j < 8) or high (j >= 8) nibble of byte j % 8, its top 2 bits bits 2·(j / 4) of byte
+// 8 + j % 4; four at a time in 32-bit words, as llama.cpp's kmask shuffle.
 inline void q3k_scales(const uint8_t* s, int8_t* sc) {
-  for (int j = 0; j < 16; ++j)
-    sc[j] = static_cast<int8_t>((((s[j % 8] >> (4 * (j / 8))) & 15) | (((s[8 + j % 4] >> (2 * (j / 4))) & 3) << 4)) - 32);
+  constexpr uint32_t kmask1 = 0x03030303, kmask2 = 0x0f0f0f0f;
+  uint32_t u[4];
+  std::memcpy(u, s, 12);
+  const uint32_t top = u[2];
+  u[2] = ((u[0] >> 4) & kmask2) | (((top >> 4) & kmask1) << 4);
+  u[3] = ((u[1] >> 4) & kmask2) | (((top >> 6) & kmask1) << 4);
+  u[0] = (u[0] & kmask2) | ((top & kmask1) << 4);
+  u[1] = (u[1] & kmask2) | (((top >> 2) & kmask1) << 4);
+  std::memcpy(sc, u, 16);
+  for (int j = 0; j < 16; ++j) sc[j] = static_cast<int8_t>(sc[j] - 32);
 }
 
 // Q2_K: u8 scales[16] (sub-block j's scale in the low nibble, its min in the high one), u8 qs[64],
@@ -645,20 +654,38 @@ ALWAYS_INLINE __m256i unpacked_dot(const Held& h, const int8_t* a) {
   return _mm256_add_epi32(s0, s1);
 }
 
-// Q2_K's and Q3_K's one-row product: the block unpacked, then `unpacked_dot` (a generic form: the
-// codes go through memory once per block, where the other types decode them in registers).
-template <class KT>
-ALWAYS_INLINE void unpacked_avx2(const uint8_t* w, const int8_t* a, const int16_t* xs, __m256i& s, __m256i& m) {
-  Unpacked u;
-  unpack(KT{}, w, u);
-  s = unpacked_dot(hold(u), a);
-  m = _mm256_madd_epi16(load(u.mins), load(xs));
+// Q2_K's and Q3_K's one-row products: each 32 codes decoded in registers (Q3_K: hmask bit 4h + j
+// as bit 2) and met by their per-16 scales as Q6_K's are (two chains of dot instructions).
+ALWAYS_INLINE __m256i k2_dot(const uint8_t* qs, const uint8_t* hmask, __m256i sc16, const int8_t* a) {
+  const __m256i m3 = _mm256_set1_epi8(3), bit2 = _mm256_set1_epi8(4);
+  __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+  for (int h = 0; h < 2; ++h) {
+    const __m256i bits = load(qs + 32 * h), half = half_scales(sc16, h);
+    for (int j = 0; j < 4; ++j) {
+      __m256i c = _mm256_and_si256(_mm256_srli_epi16(bits, 2 * j), m3);
+      if (hmask != nullptr)
+        c = _mm256_or_si256(c, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(load(hmask), 4 * h + j), 2), bit2));
+      if (j % 2)
+        s1 = add_scaled(s1, c, a + 128 * h + 32 * j, pair_of_half(half, j));
+      else
+        s0 = add_scaled(s0, c, a + 128 * h + 32 * j, pair_of_half(half, j));
+    }
+  }
+  return _mm256_add_epi32(s0, s1);
 }
+
 ALWAYS_INLINE void Q2K::avx2(const uint8_t* w, const int8_t* a, const int16_t* xs, __m256i& s, __m256i& m) {
-  unpacked_avx2<Q2K>(w, a, xs, s, m);
+  const __m256i packed = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  s = k2_dot(w + 16, nullptr, _mm256_and_si256(packed, _mm256_set1_epi16(15)), a);
+  m = _mm256_madd_epi16(_mm256_srli_epi16(packed, 4), load(xs));
 }
+
 ALWAYS_INLINE void Q3K::avx2(const uint8_t* w, const int8_t* a, const int16_t* xs, __m256i& s, __m256i& m) {
-  unpacked_avx2<Q3K>(w, a, xs, s, m);
+  alignas(16) int8_t sc[16];
+  q3k_scales(w + 96, sc);
+  const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(sc)));
+  s = k2_dot(w + 32, w, sc16, a);
+  m = _mm256_slli_epi32(_mm256_madd_epi16(load(xs), sc16), 2);  // 4·Σ sc_j·bsum_j
 }
 
 #ifdef HYBRIDKV_ZMM
