@@ -17,8 +17,8 @@ llama.cpp's tiled order (head v·Hk + k), which would need ssm_out's columns mov
 Gated DeltaNet layers read key head h % Hk for value head h (`GatedDeltaNet.tiled_heads`).
 
 A part is kept in blocks when its type has an integer kernel (`BlockType.matmul`: Q8_0, Q4_0,
-Q4_1, Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K, Q6_K); the float types (F32, F16, BF16) are read into the
-compute dtype. A projection with no block part is loaded the float way.
+Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K); the float types (F32, F16, BF16) are read
+into the compute dtype. A projection with no block part is loaded the float way.
 """
 
 from __future__ import annotations

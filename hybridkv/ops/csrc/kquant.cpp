@@ -229,7 +229,7 @@ struct Q2K {
   static constexpr int bytes = 84, d_at = 80, dmin_at = 82, scale_codes = 16;
   static constexpr bool mins_in_d = false, permuted = false;
 
-  static void min_sums(const int16_t* bsums, int16_t* xs) { std::memcpy(xs, bsums, 16 * sizeof(int16_t)); }
+  static void min_sums(const int16_t* bsums, int16_t* xs) { Q6K::min_sums(bsums, xs); }  // one per sub-block of 16
 
   ALWAYS_INLINE static Sums scalar(const uint8_t* w, const int8_t* a, const int16_t* xs) {
     Sums r{0, 0};
@@ -253,7 +253,7 @@ struct Q3K {
   static constexpr int bytes = 110, d_at = 108, dmin_at = -1, scale_codes = 16;
   static constexpr bool mins_in_d = true, permuted = false;
 
-  static void min_sums(const int16_t* bsums, int16_t* xs) { std::memcpy(xs, bsums, 16 * sizeof(int16_t)); }
+  static void min_sums(const int16_t* bsums, int16_t* xs) { Q6K::min_sums(bsums, xs); }
 
   static int code(const uint8_t* w, int i) { return k2_code(w + 32, i) | (((w[i % 32] >> (i / 32)) & 1) << 2); }
 

@@ -86,7 +86,7 @@ class QuantizedWeight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] @ W.T → [T, out] float32 (2-D weights). Up to FEW_ROWS rows, the type's own
-        product on the blocks where it has one (Q8_0 on Q8_0 activations, Q4_K/Q5_K/Q6_K on Q8_K:
+        product on the blocks where it has one (Q8_0 on Q8_0 activations, the K-quants on Q8_K:
         integer block dots); else dequantize and multiply."""
         if len(self.shape) != 2 or x.dim() != 2 or x.shape[1] != self.shape[1]:
             raise ValueError(f"x {tuple(x.shape)} @ W.T needs x [T, {self.shape[-1]}] and a 2-D W, W is {self.shape}")
