@@ -33,7 +33,8 @@ SHAPES = [
     (70, 256, 45),
 ]
 # (T, K, N). One row: weight rows eight at a time, the rest one by one. 2-15 rows (AVX-512): Q4_K_R
-# and Q6_K blocks decoded once for up to 4 rows (5 = 3 + 2, 7 = 4 + 3), or unpacked once for all.
+# blocks decoded once for up to 4 rows (5 = 3 + 2, 7 = 4 + 3), Q6_K and Q2_K blocks for 2-4 rows,
+# Q3_K for 2-3, or else unpacked once for all.
 # 70 x 45: two tiles of activation rows; with 32+ rows, two groups of 16 weight rows (AVX-512), 8,
 # then 5 one by one
 
