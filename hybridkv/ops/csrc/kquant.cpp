@@ -205,7 +205,9 @@ struct Q6K {
 
 // Q2_K and Q3_K hold weight 128h + 32j + l (l < 32) in bits 2j, 2j+1 of qs byte 32h + l: the code's
 // low 2 bits (`dequantize_row_q2_K`, `_q3_K`).
-inline int k2_code(const uint8_t* qs, int i) { return (qs[32 * (i / 128) + i % 32] >> (2 * ((i % 128) / 32))) & 3; }
+inline int k2_code(const uint8_t* qs, int i) {
+  return (qs[32 * (i / 128) + i % 32] >> (2 * ((i % 128) / 32))) & 3;
+}
 
 // Q3_K's 12 scale bytes → its 16 signed scales (the stored 6 bits less 32): scale j's low 4 bits are
 // the low (j < 8) or high (j >= 8) nibble of byte j % 8, its top 2 bits bits 2·(j / 4) of byte
@@ -229,7 +231,7 @@ struct Q2K {
   static constexpr int bytes = 84, d_at = 80, dmin_at = 82, scale_codes = 16;
   static constexpr bool mins_in_d = false, permuted = false;
 
-  static void min_sums(const int16_t* bsums, int16_t* xs) { Q6K::min_sums(bsums, xs); }  // one per sub-block of 16
+  static void min_sums(const int16_t* bsums, int16_t* xs) { Q6K::min_sums(bsums, xs); }  // one per 16 weights
 
   ALWAYS_INLINE static Sums scalar(const uint8_t* w, const int8_t* a, const int16_t* xs) {
     Sums r{0, 0};
@@ -603,7 +605,12 @@ ALWAYS_INLINE void unpack(Q2K, const uint8_t* w, Unpacked& u) {
   store(u.mins, _mm256_srli_epi16(packed, 4));
 }
 
-ALWAYS_INLINE __m256i q3k_scales16(const uint8_t* w);
+// Q3_K's 16 signed scales as i16.
+ALWAYS_INLINE __m256i q3k_scales16(const uint8_t* w) {
+  alignas(16) int8_t sc[16];
+  q3k_scales(w + 96, sc);
+  return _mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(sc)));
+}
 
 ALWAYS_INLINE void unpack(Q3K, const uint8_t* w, Unpacked& u) {
   unpack_k2_codes(w + 32, w, u);
@@ -674,13 +681,6 @@ ALWAYS_INLINE void Q2K::avx2(const uint8_t* w, const int8_t* a, const int16_t* x
   const __m256i packed = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
   s = k2_dot(w + 16, nullptr, _mm256_and_si256(packed, _mm256_set1_epi16(15)), a);
   m = _mm256_madd_epi16(_mm256_srli_epi16(packed, 4), load(xs));
-}
-
-// Q3_K's 16 signed scales as i16.
-ALWAYS_INLINE __m256i q3k_scales16(const uint8_t* w) {
-  alignas(16) int8_t sc[16];
-  q3k_scales(w + 96, sc);
-  return _mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(sc)));
 }
 
 ALWAYS_INLINE void Q3K::avx2(const uint8_t* w, const int8_t* a, const int16_t* xs, __m256i& s, __m256i& m) {
@@ -989,8 +989,8 @@ int block_bytes(int64_t ggml_type) {
     case 14: return Q6K::bytes;
     case kQ4KR: return Q4KR::bytes;
   }
-  TORCH_CHECK(false, "K-quant kernels take ggml types 10 (Q2_K), 11 (Q3_K), 12 (Q4_K), 13 (Q5_K), 14 (Q6_K) and ", kQ4KR,
-              " (Q4_K repacked at load), not ", ggml_type);
+  TORCH_CHECK(false, "K-quant kernels take ggml types 10 (Q2_K), 11 (Q3_K), 12 (Q4_K), 13 (Q5_K), 14 (Q6_K) and ",
+              kQ4KR, " (Q4_K repacked at load), not ", ggml_type);
   return 0;
 }
 
@@ -1407,7 +1407,8 @@ void dequantize_q3k(const uint8_t* w, float* out) {
   const float d = fp16(w + 108);
   int8_t sc[16];
   q3k_scales(w + 96, sc);
-  for (int i = 0; i < QK_K; ++i) out[i] = static_cast<float>(Q3K::code(w, i) - 4) * (d * static_cast<float>(sc[i / 16]));
+  for (int i = 0; i < QK_K; ++i)
+    out[i] = static_cast<float>(Q3K::code(w, i) - 4) * (d * static_cast<float>(sc[i / 16]));
 }
 
 // Rows ids of K-quant rows w [V, K/256·bytes] as float32 [n, K]: an embedding lookup on a file's
