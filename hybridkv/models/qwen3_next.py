@@ -71,7 +71,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= FEW_ROWS and native.enabled(x, self.weight):
+        if native.enabled(x, self.weight):  # any row count: F.rms_norm's six ops took 1.04x a chat chunk
             return native.rms_norm(x, self.weight, self.eps)
         y = F.rms_norm(f32(x), self.weight.shape, self.weight, self.eps)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
@@ -79,7 +79,7 @@ class RMSNorm(nn.Module):
     def add(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, this norm of it): a residual add and the norm after it, in one C++ call where
         `forward` would take the kernel (the same numbers)."""
-        if x.shape[0] <= FEW_ROWS and x.shape == delta.shape and native.enabled(x, delta, self.weight):
+        if x.shape == delta.shape and native.enabled(x, delta, self.weight):
             return native.add_rms_norm(x, delta, self.weight, self.eps)
         total = x + delta
         return total, self(total)

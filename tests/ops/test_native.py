@@ -258,12 +258,30 @@ def test_decode_batches_and_snapshots_match_transformers_on_both_paths(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(1, 64), (5, 37), (3, 4, 16)])
+@pytest.mark.parametrize("shape", [(1, 64), (5, 37), (3, 4, 16), (70, 48), (9, 8, 32)])
 def test_rms_norm_equals_torch(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     gen = torch.Generator().manual_seed(len(shape))
     x, w = torch.randn(*shape, generator=gen).to(dtype), torch.rand(shape[-1], generator=gen) + 0.5
     want = F.rms_norm(x.float(), (shape[-1],), w, 1e-6).to(dtype)
     assert_close(native.rms_norm(x, w, 1e-6), want, rel=1e-5 if dtype == torch.float32 else 1e-2, dtype=dtype)
+
+
+def test_norms_of_many_rows_do_not_depend_on_the_threads() -> None:
+    """Prefill chunks' norms split their rows over threads (from 32 rows): each row the same bits."""
+    gen = torch.Generator().manual_seed(0)
+    x, d, w = torch.randn(200, 96, generator=gen), torch.randn(200, 96, generator=gen), torch.rand(96, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.rms_norm(x, w, 1e-6), *native.add_rms_norm(x, d, w, 1e-6)
+        torch.set_num_threads(max(2, threads))
+        many = native.rms_norm(x, w, 1e-6), *native.add_rms_norm(x, d, w, 1e-6)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(one, many, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(one[1], x + d)
+    assert torch.equal(one[0][:5], native.rms_norm(x[:5], w, 1e-6))  # the few-row call: the same rows
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1559,6 +1559,8 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
 }
 
 // x / rms(x) * weight over the last dim, in float32; the result in x's dtype (float32 or bfloat16).
+constexpr int64_t NORM_ROWS = 32;  // rows a norm takes on one thread
+
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double eps) {
   const int64_t D = weight_in.numel();
   TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == D, "rms_norm: x ", x_in.sizes(), " does not end in ", D);
@@ -1567,11 +1569,15 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double 
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t rows = x.numel() / std::max<int64_t>(D, 1);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = xp + r * D;
-    const float inv = 1.f / std::sqrt(dot(xr, xr, D) / static_cast<float>(D) + static_cast<float>(eps));
-    for (int64_t i = 0; i < D; ++i) yp[r * D + i] = xr[i] * inv * wp[i];
-  }
+  // Rows split over threads from 32 on (a prefill chunk; a decode step's few stay on this thread):
+  // each row's numbers do not depend on the split.
+  at::parallel_for(0, rows, NORM_ROWS, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = xp + r * D;
+      const float inv = 1.f / std::sqrt(dot(xr, xr, D) / static_cast<float>(D) + static_cast<float>(eps));
+      for (int64_t i = 0; i < D; ++i) yp[r * D + i] = xr[i] * inv * wp[i];
+    }
+  });
   return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
 }
 
@@ -1587,7 +1593,9 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
     sum = at::empty_like(a);
     const float *ap = a.data_ptr<float>(), *bp = b.data_ptr<float>();
     float* sp = sum.data_ptr<float>();
-    for (int64_t i = 0, n = a.numel(); i < n; ++i) sp[i] = ap[i] + bp[i];
+    at::parallel_for(0, a.numel(), NORM_ROWS * weight.numel(), [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) sp[i] = ap[i] + bp[i];
+    });
   } else {
     sum = at::add(x, delta);
   }
