@@ -71,7 +71,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if native.enabled(x, self.weight):  # any row count: F.rms_norm's six ops took 1.04x a chat chunk
+        if native.enabled(x, self.weight):  # any row count (F.rms_norm's six ops: a chat chunk 1.07x slower)
             return native.rms_norm(x, self.weight, self.eps)
         y = F.rms_norm(f32(x), self.weight.shape, self.weight, self.eps)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
