@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from hybridkv.bench.workload import Plan, Shape
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# --gguf: file type → llama_ftype of llama.cpp's quantizer (None: ours, `hybridkv quantize`)
+GGUF_TYPES = {"q8_0": None, "q4_k_m": 15, "q3_k_m": 12, "q2_k": 10}
 
 # Ratios the issues ask for (> 1 = hybridkv better); scenarios without one are reported only.
 # Issue 6's, for its Qwen3-Next and any other model; issue 10's at the real Qwen3.5-0.8B shape.
@@ -91,7 +93,7 @@ def add_parser(commands: Any) -> None:
     bench.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and compute (float32)")
     bench.add_argument(
         "--gguf",
-        choices=["q8_0", "q4_k_m", "q3_k_m", "q2_k"],
+        choices=list(GGUF_TYPES),
         default="q8_0",
         help="with --peer llama.cpp and no --model: the shape's file, written beside its checkpoint (q8_0: "
         "hybridkv quantize; the K-quant mixtures: llama.cpp's quantizer, needs the [peers] extra)",

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from hybridkv.bench import GGUF_TYPES
 from hybridkv.bench.machine import WeightCounts, read_bytes_per_second
 from hybridkv.bench.report import _num
 from hybridkv.bench.scenarios import Result, _median, _timed
@@ -300,10 +301,6 @@ def print_llama_cpp(document: dict[str, Any], console: Any) -> None:
             f"{d['roofline_target']:.1f}×), llama.cpp {d['llama_cpp_of_roofline']:.2f}×",
             highlight=False,
         )
-
-
-# file type → llama_ftype of llama.cpp's quantizer (None: ours)
-GGUF_TYPES = {"q8_0": None, "q4_k_m": 15, "q3_k_m": 12, "q2_k": 10}
 
 
 def shape_file(checkpoint: Path, file_type: str, log: Callable[[str], None] = print) -> Path:

@@ -1558,9 +1558,9 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
   return out;
 }
 
-// x / rms(x) * weight over the last dim, in float32; the result in x's dtype (float32 or bfloat16).
 constexpr int64_t NORM_ROWS = 32;  // rows a norm takes on one thread
 
+// x / rms(x) * weight over the last dim, in float32; the result in x's dtype (float32 or bfloat16).
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double eps) {
   const int64_t D = weight_in.numel();
   TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == D, "rms_norm: x ", x_in.sizes(), " does not end in ", D);

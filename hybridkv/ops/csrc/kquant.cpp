@@ -225,6 +225,20 @@ inline void q3k_scales(const uint8_t* s, int8_t* sc) {
   for (int j = 0; j < 16; ++j) sc[j] = static_cast<int8_t>(sc[j] - 32);
 }
 
+// S = Σ_j sc_j·(codes·a)_j and M = Σ_j m_j·xs_j over 16 sub-blocks of 16, code(i) weight i's
+// unsigned code: Q2_K's and Q3_K's plain sums.
+template <class Code>
+inline Sums sums16(Code code, const int* sc, const int* m, const int8_t* a, const int16_t* xs) {
+  Sums r{0, 0};
+  for (int j = 0; j < 16; ++j) {
+    int32_t dot = 0;
+    for (int i = 16 * j; i < 16 * j + 16; ++i) dot += code(i) * a[i];
+    r.s += sc[j] * dot;
+    r.m += m[j] * xs[j];
+  }
+  return r;
+}
+
 // Q2_K: u8 scales[16] (sub-block j's scale in the low nibble, its min in the high one), u8 qs[64],
 // f16 d, f16 dmin; 16 sub-blocks of 16, weight (d·sc_j)·q − dmin·m_j with q in 0..3.
 struct Q2K {
@@ -234,14 +248,9 @@ struct Q2K {
   static void min_sums(const int16_t* bsums, int16_t* xs) { Q6K::min_sums(bsums, xs); }  // one per 16 weights
 
   ALWAYS_INLINE static Sums scalar(const uint8_t* w, const int8_t* a, const int16_t* xs) {
-    Sums r{0, 0};
-    for (int j = 0; j < 16; ++j) {
-      int32_t dot = 0;
-      for (int i = 16 * j; i < 16 * j + 16; ++i) dot += k2_code(w + 16, i) * a[i];
-      r.s += (w[j] & 15) * dot;
-      r.m += (w[j] >> 4) * xs[j];
-    }
-    return r;
+    int sc[16], m[16];
+    for (int j = 0; j < 16; ++j) sc[j] = w[j] & 15, m[j] = w[j] >> 4;
+    return sums16([w](int i) { return k2_code(w + 16, i); }, sc, m, a, xs);
   }
 #ifdef __AVX2__
   ALWAYS_INLINE static void avx2(const uint8_t* w, const int8_t* a, const int16_t* xs, __m256i& s, __m256i& m);
@@ -260,16 +269,11 @@ struct Q3K {
   static int code(const uint8_t* w, int i) { return k2_code(w + 32, i) | (((w[i % 32] >> (i / 32)) & 1) << 2); }
 
   ALWAYS_INLINE static Sums scalar(const uint8_t* w, const int8_t* a, const int16_t* xs) {
-    int8_t sc[16];
-    q3k_scales(w + 96, sc);
-    Sums r{0, 0};
-    for (int j = 0; j < 16; ++j) {
-      int32_t dot = 0;
-      for (int i = 16 * j; i < 16 * j + 16; ++i) dot += code(w, i) * a[i];
-      r.s += sc[j] * dot;
-      r.m += 4 * sc[j] * xs[j];
-    }
-    return r;
+    int8_t packed[16];
+    q3k_scales(w + 96, packed);
+    int sc[16], m[16];
+    for (int j = 0; j < 16; ++j) sc[j] = packed[j], m[j] = 4 * packed[j];
+    return sums16([w](int i) { return code(w, i); }, sc, m, a, xs);
   }
 #ifdef __AVX2__
   ALWAYS_INLINE static void avx2(const uint8_t* w, const int8_t* a, const int16_t* xs, __m256i& s, __m256i& m);
