@@ -1164,7 +1164,7 @@ void rows8_kdot(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t K, cons
 // 0.8B Q4_K_M prefill chunk from 287 to 242 ms at 56 tokens (1.18x), 1.18x at 100, 1.10x at 16
 // (Zen 4, 2 threads; R = 6 and 8 were 2-3% slower than 4).
 template <class KT, int R>
-ALWAYS_INLINE void kdot16_rows(const __m512i* ct, const int32_t (*scales)[16], const __m512i* mn, __m512 dw,
+ALWAYS_INLINE void kdot16_rows(const __m512i* ct, const __m512i* scales, const __m512i* mn, __m512 dw,
                                __m512 dmin, const int8_t* a, int64_t K, int64_t b, int64_t nb, const float* dx,
                                const int16_t* xs, const int64_t* rows, __m512* acc) {
   constexpr int G = KT::scale_codes / 16;  // 16-code groups a scale covers
@@ -1179,8 +1179,7 @@ ALWAYS_INLINE void kdot16_rows(const __m512i* ct, const int32_t (*scales)[16], c
       const __m512i c = ct[4 * h + j];
       for (int i = 0; i < R; ++i) s[i] = _mm512_dpbusd_epi32(s[i], c, _mm512_set1_epi32(x[i][4 * h + j]));
     }
-    const __m512i sc = _mm512_load_si512(scales[h]);
-    for (int i = 0; i < R; ++i) S[i] = _mm512_add_epi32(S[i], _mm512_mullo_epi32(s[i], sc));
+    for (int i = 0; i < R; ++i) S[i] = _mm512_add_epi32(S[i], _mm512_mullo_epi32(s[i], scales[h]));
   }
   __m512i M[R];
   for (int i = 0; i < R; ++i) M[i] = _mm512_setzero_si512();
@@ -1211,7 +1210,7 @@ void rows16_kdot(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t K, con
                  const uint8_t* ahead) {
   alignas(64) int32_t scales[16][16];
   alignas(64) float dws[16], dmins[16];
-  __m512i ct[64], mn[8];
+  __m512i ct[64], mn[8], sc[16];
   for (int64_t r = 0; r < n; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     if (ahead != nullptr) hybridkv::prefetch_rows(ahead + b * KT::bytes, 16, row_bytes, KT::bytes);
@@ -1224,7 +1223,6 @@ void rows16_kdot(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t K, con
       for (int i = 0; i < 16; ++i) {
         const uint8_t* wb = w + i * row_bytes + b * KT::bytes;
         store(sm[i], k4_scales_mins16(wb));
-        for (int k = 0; k < 8; ++k) scales[2 * k][i] = sm[i][k];
         dws[i] = weight_d<KT>(wb);
         dmins[i] = weight_dmin<KT>(wb);
       }
@@ -1259,10 +1257,21 @@ void rows16_kdot(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t K, con
       for (int i = 0; i < 8; ++i) lo[i] = load(u[i].mins), hi[i] = load(u[8 + i].mins);
     }
     hybridkv::transpose8x16(lo, hi, mn);  // mn[p] lane i: row i's mins 2p, 2p+1
+    if constexpr (std::is_same_v<KT, Q4K> || std::is_same_v<KT, Q4KR>) {
+      // A row's 8 scales lead its 16 scale-and-min lanes, so mn[p] holds its scales 2p and 2p + 1
+      // in the low and high halves of lane i: split by two vector ops instead of 128 scalar stores
+      // and loads (1.04x the product at 16 rows, 1.01x at 64; 1 thread).
+      for (int p = 0; p < 4; ++p) {
+        sc[4 * p] = _mm512_and_si512(mn[p], _mm512_set1_epi32(0xFFFF));
+        sc[4 * p + 2] = _mm512_srli_epi32(mn[p], 16);
+      }
+    } else {
+      for (int h = 0; h < 16; ++h) sc[h] = _mm512_load_si512(scales[h]);
+    }
     const __m512 dw = _mm512_load_ps(dws), dmin = _mm512_load_ps(dmins);
     int64_t r = 0;
-    for (; r + 4 <= n; r += 4) kdot16_rows<KT, 4>(ct, scales, mn, dw, dmin, a, K, b, nb, dx, xs, rows + r, acc + r);
-    for (; r < n; ++r) kdot16_rows<KT, 1>(ct, scales, mn, dw, dmin, a, K, b, nb, dx, xs, rows + r, acc + r);
+    for (; r + 4 <= n; r += 4) kdot16_rows<KT, 4>(ct, sc, mn, dw, dmin, a, K, b, nb, dx, xs, rows + r, acc + r);
+    for (; r < n; ++r) kdot16_rows<KT, 1>(ct, sc, mn, dw, dmin, a, K, b, nb, dx, xs, rows + r, acc + r);
   }
   for (int64_t r = 0; r < n; ++r) _mm512_storeu_ps(y + rows[r] * N, acc[r]);
 }
