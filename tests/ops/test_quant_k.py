@@ -29,12 +29,14 @@ SHAPES = [
     (3, 768, 5),
     (5, 512, 11),
     (7, 512, 17),
+    (9, 512, 21),
     (32, 256, 9),
     (70, 256, 45),
 ]
 # (T, K, N). One row: weight rows eight at a time, the rest one by one. 2-15 rows (AVX-512): Q4_K_R
 # blocks decoded once for up to 4 rows (5 = 3 + 2, 7 = 4 + 3), Q6_K and Q2_K blocks for 2-4 rows,
-# Q3_K for 2-3, or else unpacked once for all.
+# Q3_K for 2-3, or else unpacked once for all; from 8 rows Q4_K and Q4_K_R take weight rows 16 at
+# a time (9 x 21: one group of 16, then 5 unpacked).
 # 70 x 45: two tiles of activation rows; with 32+ rows, two groups of 16 weight rows (AVX-512), 8,
 # then 5 one by one
 
@@ -294,11 +296,12 @@ def test_matmul_parts_is_each_parts_product_side_by_side(T: int) -> None:
 @pytest.mark.skipif(native.kernels() is None, reason="C++ kernels could not be built here")
 @pytest.mark.parametrize("t", KERNEL_TYPES, ids=lambda t: t.name)
 def test_experts_matmul_equals_each_tokens_product_on_its_expert(t: GGMLType) -> None:
-    """Expert 0 meets 67 tokens (two tiles of the several-token path), expert 1 two, expert 2 one
-    (the one-token path: its rows eight at a time, the rest one by one), experts 3 and 4 seven and
-    five, between the others' (the few-token path on AVX-512 for Q4_K_R, 4 + 3 and 3 + 2 rows, and
-    Q6_K's two; beyond its four, Q6_K's several-token path)."""
-    E, N, K, f = 5, 21, 512, file_type(t)
+    """Expert 0 meets 67 tokens (two tiles: on AVX-512 its rows 0-15 sixteen at a time, with VNNI
+    rows 16-23 eight at a time, the last five unpacked), expert 1 two, expert 2 one (the one-token
+    path: its rows eight at a time, the rest one by one), experts 3 and 4 seven and five, between
+    the others' (on AVX-512 Q4_K_R's rows 0-15 sixteen at a time, the rest decoded, 4 + 3 and 3 + 2
+    rows; Q6_K's two decoded, its seven and five unpacked)."""
+    E, N, K, f = 5, 29, 512, file_type(t)
     rows = np.stack([weight_rows(f, N, K, seed=e) for e in range(E)])
     ids = torch.tensor([0] * 33 + [1, 2] + [3, 4] * 5 + [0] * 34 + [3, 1, 3])
     x = activations(len(ids), K, seed=5)

@@ -1285,9 +1285,22 @@ constexpr int64_t TILE_T = 64;
 // its per-super-block transposes pay off only over many rows (measured: slower at 4-16, 1.2x at 64+).
 constexpr int64_t ROWS8_FROM = 32;
 // On AVX-512 the 16-row form (`rows16_kdot`) pays from 16 rows: 1.5-2.5x `rows_dot_unpacked` at 16,
-// 2-3x at 32. Below, its unpacking and transposes of 16 rows are shared by too few activation
-// rows, and with weights streaming from memory it was 1.5-2x slower at 4-8 rows (Q4_K, Q6_K).
+// 2-3x at 32. Below, its unpacking and transposes of 16 rows are shared by fewer activation rows.
 constexpr int64_t ROWS16_FROM = 16;
+
+// Where the 16-row form takes over from the decoded and unpacked forms, by type: for a dense
+// weight, or for each expert's rows of an expert-indexed product (`experts_impl`, whose decoded
+// form pays per expert). Q4_K (packed transposes) and Q6_K measured (Zen 4, 2 threads, weights
+// streaming from memory, rows16 against the form it replaces): dense Q4_K_R 1.01-1.32x at 6 rows,
+// 1.10-1.51x at 8; dense Q6_K 0.96x at 8, 1.16x at 12; 64 experts of Q4_K_R at c tokens each
+// 0.87-1.13x at c = 3, 1.06-1.29x at 4, 1.27-1.57x at 5; of Q6_K 0.92-1.16x at 8, 1.07-1.42x at 10.
+// The other types keep ROWS16_FROM.
+template <class KT>
+constexpr int64_t rows16_from(bool experts) {
+  if constexpr (std::is_same_v<KT, Q4K> || std::is_same_v<KT, Q4KR>) return experts ? 4 : 8;
+  if constexpr (std::is_same_v<KT, Q6K>) return experts ? 10 : 12;
+  return ROWS16_FROM;
+}
 
 // y [T, N] = x @ W.T: threads split W's rows; each weight row is read once from memory and dotted
 // with every activation row while it sits in L1 (T >= 2: each super-block unpacked once for all).
@@ -1303,7 +1316,7 @@ void matmul_impl(const Q8K& xq, const uint8_t* w, int64_t N, float* y, int64_t l
   if constexpr (I == Isa::Avx2) {
 #ifdef HYBRIDKV_ZMM
     if constexpr (kDecoded<KT>) {
-      if (T >= 2 && T <= Decoded<KT>::MAX_T && T < ROWS16_FROM) {  // a few rows (batched decode, a verify)
+      if (T >= 2 && T <= Decoded<KT>::MAX_T && T < rows16_from<KT>(false)) {  // a few rows (batched decode, a verify)
         int64_t all_rows[ROWS16_FROM];
         for (int64_t t = 0; t < T; ++t) all_rows[t] = t;
         hybridkv::claimed_for(N, hybridkv::claim_items(nb * KT::bytes), [&](int64_t n0, int64_t n1) {
@@ -1330,7 +1343,7 @@ void matmul_impl(const Q8K& xq, const uint8_t* w, int64_t N, float* y, int64_t l
             const int64_t tiles = std::min(TILE_T, T - t0), end = std::min(N, (c + 1) * ROWS);
             int64_t n = c * ROWS;
 #ifdef HYBRIDKV_ZMM
-            if (T >= ROWS16_FROM && n + 16 <= end) {
+            if (T >= rows16_from<KT>(false) && n + 16 <= end) {
               // The first tile fetches the next 16 rows: 16 short strided streams defeat the hardware prefetcher.
               const uint8_t* ahead = t0 == 0 && end + 16 <= N ? w + end * nb * KT::bytes : nullptr;
               rows16_kdot<KT>(w + n * nb * KT::bytes, nb * KT::bytes, nb, K, a, dx, xs.data(), all_rows.data() + t0,
@@ -1538,9 +1551,12 @@ void experts_impl(const Q8K& xq, const uint8_t* w, const int64_t* ids, int64_t N
   std::vector<int64_t> pairs, start;
   hybridkv::group_by_expert(ids, P, pairs, start);
   const int64_t G = static_cast<int64_t>(start.size()) - 1;
-  hybridkv::claimed_for(G * N, hybridkv::claim_items(row_bytes), [&](int64_t u0, int64_t u1) {
+  hybridkv::claimed_for(G * N, hybridkv::claim_items(row_bytes, 16), [&](int64_t u0, int64_t u1) {
 #ifdef __AVX2__
     std::vector<__m256> acc(TILE_T);
+#endif
+#ifdef HYBRIDKV_ZMM
+    std::vector<__m512> acc16(TILE_T);
 #endif
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t g = u / N, n = u % N;
@@ -1555,14 +1571,35 @@ void experts_impl(const Q8K& xq, const uint8_t* w, const int64_t* ids, int64_t N
           continue;
         }
 #ifdef HYBRIDKV_ZMM
-        // A few tokens on this expert (batched decode, a chat turn): each super-block decoded once
-        // for up to four of them, as `matmul_impl` (moe-mini Q4_K_M: an 8-token step 1.06x the
-        // unpacked form, a 56-token chunk 1.016x; the same bits).
+        // Several tokens on this expert (`rows16_from`): 16 of its rows at a time, as `matmul_impl`,
+        // fetching the next 16 (or the next expert's first 16). On moe-mini Q4_K_M a 56-token chunk
+        // (7 tokens an expert) has its Q4_K_R products 1.3-1.5x faster than decoded.
+        if (start[g + 1] - start[g] >= rows16_from<KT>(true) && n % 16 == 0 && n + 16 <= N && u + 16 <= u1) {
+          const uint8_t* ahead = n + 32 <= N ? wr + 16 * row_bytes
+                                 : g + 1 < G ? w + ids[pairs[start[g + 1]]] * N * row_bytes : nullptr;
+          for (int64_t i = start[g]; i < start[g + 1]; i += TILE_T)
+            rows16_kdot<KT>(wr, row_bytes, nb, K, a, dx, xs.data(), pairs.data() + i, std::min(TILE_T, start[g + 1] - i),
+                            y + n, N, acc16.data(), i == start[g] ? ahead : nullptr);
+          u += 15;
+          continue;
+        }
+        // Fewer tokens on this expert (batched decode): each super-block decoded once for up to
+        // four of them, as `matmul_impl` (moe-mini Q4_K_M: an 8-token step 1.06x the unpacked
+        // form; the same bits).
         if constexpr (kDecoded<KT>)
           if (start[g + 1] - start[g] >= 2 && start[g + 1] - start[g] <= Decoded<KT>::MAX_T) {
             rows_dot_decoded<KT>(wr, a1, K, dx, xs.data(), nb, pairs.data() + start[g], start[g + 1] - start[g], y + n, N);
             continue;
           }
+#endif
+#ifdef HYBRIDKV_VNNI
+        if (start[g + 1] - start[g] >= ROWS8_FROM && n % 8 == 0 && n + 8 <= N && u + 8 <= u1) {
+          for (int64_t i = start[g]; i < start[g + 1]; i += TILE_T)
+            rows8_kdot<KT>(wr, row_bytes, nb, K, a, dx, xs.data(), pairs.data() + i, std::min(TILE_T, start[g + 1] - i),
+                           y + n, N, acc.data());
+          u += 7;
+          continue;
+        }
 #endif
         // Several tokens on this expert (prefill, batched decode): each super-block unpacked once for all.
         if (start[g + 1] - start[g] >= 2) {
