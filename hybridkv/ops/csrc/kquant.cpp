@@ -1213,7 +1213,7 @@ void rows16_kdot(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t K, con
   __m512i ct[64], mn[8], sc[16];
   for (int64_t r = 0; r < n; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    if (ahead != nullptr) hybridkv::prefetch_rows(ahead + b * KT::bytes, 16, row_bytes, KT::bytes);
+    if (ahead != nullptr) hybridkv::prefetch_rows<true>(ahead + b * KT::bytes, 16, row_bytes, KT::bytes);
     __m256i lo[8], hi[8];
     if constexpr (std::is_same_v<KT, Q4K> || std::is_same_v<KT, Q4KR>) {
       // The packed code bytes transposed as they lie (4 transposes, not 8 of unpacked codes), then

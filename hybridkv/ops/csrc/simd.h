@@ -105,15 +105,23 @@ inline void transpose8(__m256i* v) {
   v[7] = _mm256_permute2x128_si256(b3, b7, 0x31);
 }
 
-// Prefetches `bytes` bytes at `at` of each of `rows` rows row_bytes apart, into L2 (the kernels
-// that read 8 or 16 weight rows at once fetch the next group this way: that many short strided
-// streams defeat the hardware prefetcher). Into L2 rather than L1: the 16-row K-quant products
-// on weights streaming from memory ran 1.06-1.39x faster (Zen 4, 2 threads, 16 and 56 rows), the
-// expert-indexed ones at 7 tokens an expert 1.3x.
+// Prefetches `bytes` bytes at `at` of each of `rows` rows row_bytes apart, into L1 or (`ToL2`)
+// L2. The kernels that read 8 or 16 weight rows at once fetch the
+// next group this way: that many short strided streams defeat the hardware prefetcher. The 16-row
+// K-quant products fetch into L2: on weights streaming from memory they ran 1.06-1.39x faster
+// than fetching into L1 (Zen 4, 2 threads, 16 and 56 rows), the expert-indexed ones at 7 tokens
+// an expert 1.3x. The 32-weight types' products measured even within this host's noise and keep L1.
+template <bool ToL2 = false>
 inline void prefetch_rows(const uint8_t* at, int rows, int64_t row_bytes, int bytes) {
   for (int i = 0; i < rows; ++i)
-    for (int line = 0; line < bytes; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(at + i * row_bytes + line), _MM_HINT_T1);
+    for (int line = 0; line < bytes; line += 64) {
+      const char* p = reinterpret_cast<const char*>(at + i * row_bytes + line);
+      if constexpr (ToL2) {
+        _mm_prefetch(p, _MM_HINT_T1);
+      } else {
+        _mm_prefetch(p, _MM_HINT_T0);
+      }
+    }
 }
 #endif
 
