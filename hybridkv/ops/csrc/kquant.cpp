@@ -1334,9 +1334,9 @@ void matmul_impl(const Q8K& xq, const uint8_t* w, int64_t N, float* y, int64_t l
       std::vector<int64_t> all_rows(T);
       for (int64_t t = 0; t < T; ++t) all_rows[t] = t;
       hybridkv::claimed_for((N + ROWS - 1) / ROWS, 1, [&](int64_t c0, int64_t c1) {
-        std::vector<__m256> acc(TILE_T);
+        __m256 acc[TILE_T];  // on the stack, as `experts_impl`'s
 #ifdef HYBRIDKV_ZMM
-        std::vector<__m512> acc16(TILE_T);
+        __m512 acc16[TILE_T];
 #endif
         for (int64_t c = c0; c < c1; ++c)
           for (int64_t t0 = 0; t0 < T; t0 += TILE_T) {
@@ -1347,7 +1347,7 @@ void matmul_impl(const Q8K& xq, const uint8_t* w, int64_t N, float* y, int64_t l
               // The first tile fetches the next 16 rows: 16 short strided streams defeat the hardware prefetcher.
               const uint8_t* ahead = t0 == 0 && end + 16 <= N ? w + end * nb * KT::bytes : nullptr;
               rows16_kdot<KT>(w + n * nb * KT::bytes, nb * KT::bytes, nb, K, a, dx, xs.data(), all_rows.data() + t0,
-                              tiles, y + n, ldy, acc16.data(), ahead);
+                              tiles, y + n, ldy, acc16, ahead);
               n += 16;
             }
 #endif
@@ -1355,11 +1355,11 @@ void matmul_impl(const Q8K& xq, const uint8_t* w, int64_t N, float* y, int64_t l
             if (T >= ROWS8_FROM)
               for (; n + 8 <= end; n += 8)
                 rows8_kdot<KT>(w + n * nb * KT::bytes, nb * KT::bytes, nb, K, a, dx, xs.data(), all_rows.data() + t0,
-                               tiles, y + n, ldy, acc.data());
+                               tiles, y + n, ldy, acc);
 #endif
             for (; n < end; ++n)
               rows_dot_unpacked<KT>(w + n * nb * KT::bytes, nb, K, a1, dx, xs.data(), all_rows.data() + t0, tiles,
-                                    y + n, ldy, acc.data(), t0 == 0);
+                                    y + n, ldy, acc, t0 == 0);
           }
       });
       return;
@@ -1553,10 +1553,13 @@ void experts_impl(const Q8K& xq, const uint8_t* w, const int64_t* ids, int64_t N
   const int64_t G = static_cast<int64_t>(start.size()) - 1;
   hybridkv::claimed_for(G * N, hybridkv::claim_items(row_bytes, 16), [&](int64_t u0, int64_t u1) {
 #ifdef __AVX2__
-    std::vector<__m256> acc(TILE_T);
+    // On the stack: as vectors, each claim's allocation and zeroing (6 KiB) took the one-token
+    // products of moe-mini's experts (18 KiB claims) from 0.94x to 0.73-0.77x the dense product's
+    // rate on the same bytes.
+    __m256 acc[TILE_T];
 #endif
 #ifdef HYBRIDKV_ZMM
-    std::vector<__m512> acc16(TILE_T);
+    __m512 acc16[TILE_T];
 #endif
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t g = u / N, n = u % N;
@@ -1579,7 +1582,7 @@ void experts_impl(const Q8K& xq, const uint8_t* w, const int64_t* ids, int64_t N
                                  : g + 1 < G ? w + ids[pairs[start[g + 1]]] * N * row_bytes : nullptr;
           for (int64_t i = start[g]; i < start[g + 1]; i += TILE_T)
             rows16_kdot<KT>(wr, row_bytes, nb, K, a, dx, xs.data(), pairs.data() + i, std::min(TILE_T, start[g + 1] - i),
-                            y + n, N, acc16.data(), i == start[g] ? ahead : nullptr);
+                            y + n, N, acc16, i == start[g] ? ahead : nullptr);
           u += 15;
           continue;
         }
@@ -1596,7 +1599,7 @@ void experts_impl(const Q8K& xq, const uint8_t* w, const int64_t* ids, int64_t N
         if (start[g + 1] - start[g] >= ROWS8_FROM && n % 8 == 0 && n + 8 <= N && u + 8 <= u1) {
           for (int64_t i = start[g]; i < start[g + 1]; i += TILE_T)
             rows8_kdot<KT>(wr, row_bytes, nb, K, a, dx, xs.data(), pairs.data() + i, std::min(TILE_T, start[g + 1] - i),
-                           y + n, N, acc.data());
+                           y + n, N, acc);
           u += 7;
           continue;
         }
@@ -1605,7 +1608,7 @@ void experts_impl(const Q8K& xq, const uint8_t* w, const int64_t* ids, int64_t N
         if (start[g + 1] - start[g] >= 2) {
           for (int64_t i = start[g]; i < start[g + 1]; i += TILE_T)
             rows_dot_unpacked<KT>(wr, nb, K, a1, dx, xs.data(), pairs.data() + i, std::min(TILE_T, start[g + 1] - i),
-                                  y + n, N, acc.data(), true);
+                                  y + n, N, acc, true);
           continue;
         }
       }
