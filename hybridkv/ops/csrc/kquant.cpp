@@ -1241,6 +1241,39 @@ void rows16_kdot(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t K, con
         }
       }
       for (int i = 0; i < 8; ++i) lo[i] = load(sm[i]), hi[i] = load(sm[8 + i]);
+    } else if constexpr (std::is_same_v<KT, Q6K>) {
+      // Q6_K's ql and qh bytes transposed as they lie (6 transposes, not 8 of unpacked codes and
+      // 16 unpackings), the codes then built in place: weight 128h + 32i + l is nibble i / 2 of ql
+      // byte 64h + 32(i % 2) + l with bits 2i, 2i + 1 of qh byte 32h + l above it. The same vectors
+      // as through `unpack`; the product 1.2-1.4x at 16 rows, 1.10x at 56 (2 threads, in cache).
+      alignas(32) int16_t sm[16][16];
+      for (int i = 0; i < 16; ++i) {
+        const uint8_t* wb = w + i * row_bytes + b * KT::bytes;
+        const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 192));
+        store(sm[i], _mm256_slli_epi16(_mm256_cvtepi8_epi16(sc8), 5));  // 32·sc_j, as `unpack`'s mins
+        dws[i] = weight_d<KT>(wb);
+        dmins[i] = weight_dmin<KT>(wb);
+      }
+      const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
+      for (int h = 0; h < 2; ++h) {
+        __m512i ql[2][8], qh[8];
+        for (int c = 0; c < 2; ++c) {
+          const uint8_t* wc = w + b * KT::bytes + 64 * h + 32 * c;
+          for (int i = 0; i < 8; ++i) lo[i] = load(wc + i * row_bytes), hi[i] = load(wc + (8 + i) * row_bytes);
+          hybridkv::transpose8x16(lo, hi, ql[c]);
+        }
+        const uint8_t* wh = w + b * KT::bytes + 128 + 32 * h;
+        for (int i = 0; i < 8; ++i) lo[i] = load(wh + i * row_bytes), hi[i] = load(wh + (8 + i) * row_bytes);
+        hybridkv::transpose8x16(lo, hi, qh);
+        for (int i = 0; i < 4; ++i)
+          for (int j = 0; j < 8; ++j) {
+            const __m512i q = i < 2 ? ql[i % 2][j] : _mm512_srli_epi16(ql[i % 2][j], 4);
+            // qh bits 2i, 2i + 1 to bits 4, 5: a 16-bit shift, the neighbouring byte's bits masked off
+            const __m512i top = 2 * i <= 4 ? _mm512_slli_epi16(qh[j], 4 - 2 * i) : _mm512_srli_epi16(qh[j], 2 * i - 4);
+            ct[32 * h + 8 * i + j] = _mm512_or_si512(_mm512_and_si512(q, m4), _mm512_and_si512(top, m30));
+          }
+      }
+      for (int i = 0; i < 8; ++i) lo[i] = load(sm[i]), hi[i] = load(sm[8 + i]);
     } else {
       Unpacked u[16];
       for (int i = 0; i < 16; ++i) {
@@ -1264,6 +1297,12 @@ void rows16_kdot(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t K, con
       for (int p = 0; p < 4; ++p) {
         sc[4 * p] = _mm512_and_si512(mn[p], _mm512_set1_epi32(0xFFFF));
         sc[4 * p + 2] = _mm512_srli_epi32(mn[p], 16);
+      }
+    } else if constexpr (std::is_same_v<KT, Q6K>) {
+      // mn[p] lane i: row i's 32·sc_2p and 32·sc_2p+1 (i16): the scales back by arithmetic shifts
+      for (int p = 0; p < 8; ++p) {
+        sc[2 * p] = _mm512_srai_epi32(_mm512_slli_epi32(mn[p], 16), 21);
+        sc[2 * p + 1] = _mm512_srai_epi32(mn[p], 21);
       }
     } else {
       for (int h = 0; h < 16; ++h) sc[h] = _mm512_load_si512(scales[h]);
@@ -1290,15 +1329,15 @@ constexpr int64_t ROWS16_FROM = 16;
 
 // Where the 16-row form takes over from the decoded and unpacked forms, by type: for a dense
 // weight, or for each expert's rows of an expert-indexed product (`experts_impl`, whose decoded
-// form pays per expert). Q4_K (packed transposes) and Q6_K measured (Zen 4, 2 threads, weights
-// streaming from memory, rows16 against the form it replaces): dense Q4_K_R 1.01-1.32x at 6 rows,
-// 1.10-1.51x at 8; dense Q6_K 0.96x at 8, 1.16x at 12; 64 experts of Q4_K_R at c tokens each
-// 0.87-1.13x at c = 3, 1.06-1.29x at 4, 1.27-1.57x at 5; of Q6_K 0.92-1.16x at 8, 1.07-1.42x at 10.
-// The other types keep ROWS16_FROM.
+// form pays per expert). Q4_K and Q6_K (both transposed as they lie) measured (Zen 4, 2 threads,
+// weights streaming from memory, rows16 against the form it replaces): dense Q4_K_R 1.01-1.32x at
+// 6 rows, 1.10-1.51x at 8; dense Q6_K 0.94-1.18x at 8, 1.13-1.35x at 12; 64 experts of Q4_K_R at
+// c tokens each 0.87-1.13x at c = 3, 1.06-1.29x at 4, 1.27-1.57x at 5; of Q6_K 0.82-0.89x at 5,
+// 1.07-1.17x at 8, 1.19-1.36x at 10. The other types keep ROWS16_FROM.
 template <class KT>
 constexpr int64_t rows16_from(bool experts) {
   if constexpr (std::is_same_v<KT, Q4K> || std::is_same_v<KT, Q4KR>) return experts ? 4 : 8;
-  if constexpr (std::is_same_v<KT, Q6K>) return experts ? 10 : 12;
+  if constexpr (std::is_same_v<KT, Q6K>) return experts ? 8 : 12;
   return ROWS16_FROM;
 }
 
