@@ -16,7 +16,7 @@ compiler, `HYBRIDKV_NATIVE=0`) and that the tests compare it with:
 The build (1–2.5 min on 2 cores; the system's g++, ninja from PyPI) goes to a directory of
 torch.utils.cpp_extension's root ($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions) named
 by a hash of what makes the library — the sources' bytes, the flags, torch's version — and of this
-CPU's features (the code is built with -march=native), never by where the sources lie: every
+CPU's features (the code is built with -march=native, or HYBRIDKV_ARCH's flags), never by where the sources lie: every
 checkout of the same sources on this machine loads the one library, which is opened directly when
 it exists (no ninja run). After a build, the other builds there that no process has loaded for 30
 days are removed (`prune_stale_builds`).
@@ -45,7 +45,29 @@ DISABLE_ENV = "HYBRIDKV_NATIVE"
 disabled = os.environ.get(DISABLE_ENV) == "0"
 
 
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+# The instruction sets the kernels are built for: this CPU's (-march=native), or, to build and test
+# the code paths of another class of CPU on this one, the compiler's target flags in HYBRIDKV_ARCH:
+# `make test` runs the block kernels' tests again with "-march=x86-64-v3" (AVX2 and FMA, neither
+# AVX-512 nor VNNI: Zen 2 and 3, Haswell to Comet Lake) and with "-march=x86-64-v3 -mavx512f
+# -mavx512vl -mavx512vnni" (VNNI on 256-bit vectors only: the paths of AVX-VNNI CPUs such as Alder
+# Lake, in their EVEX form). Flags for instructions this CPU lacks build a library that crashes.
+ARCH_ENV = "HYBRIDKV_ARCH"
+
+
+def arch_flags(value: str | None = None) -> list[str]:
+    """The target flags of HYBRIDKV_ARCH (`value` if given): -march=... and -m... only, default
+    -march=native; ValueError naming the variable otherwise."""
+    value = os.environ.get(ARCH_ENV, "") if value is None else value
+    flags = value.split() or ["-march=native"]
+    if bad := [f for f in flags if not f.startswith("-m") or len(f) < 3]:
+        raise ValueError(f"{ARCH_ENV} takes compiler target flags (-march=..., -m...), got {bad[0]!r} in {value!r}")
+    return flags
+
+
+def cflags() -> list[str]:
+    return ["-O3", *arch_flags(), "-fopenmp"]
+
+
 LDFLAGS = ["-fopenmp"]
 
 
@@ -65,7 +87,7 @@ def build_name(sources: list[Path] = SOURCES) -> str:
     """The library's name: a hash of the sources' names and bytes (every .cpp and .h in csrc/),
     the build flags and torch's version, then the CPU tag. Equal sources give equal names wherever
     they are checked out; a changed byte gives a new name (a build beside the old library)."""
-    digest = hashlib.sha256(f"{torch.__version__} {CFLAGS} {LDFLAGS}".encode())
+    digest = hashlib.sha256(f"{torch.__version__} {cflags()} {LDFLAGS}".encode())
     for path in sorted({*sources, *(p for p in sources[0].parent.iterdir() if p.suffix in (".cpp", ".h"))}):
         digest.update(f"\0{path.name}\0".encode() + path.read_bytes())
     return f"hybridkv_kernels_{digest.hexdigest()[:12]}_{_cpu_tag()}"
@@ -107,7 +129,7 @@ def _load() -> None:
     cpp_extension.load(
         name=name,
         sources=[str(p) for p in SOURCES],
-        extra_cflags=list(CFLAGS),  # copies: load() appends torch's own flags to the lists it gets,
+        extra_cflags=cflags(),  # copies: load() appends torch's own flags to the lists it gets,
         extra_ldflags=list(LDFLAGS),  # which would change `build_name` for the rest of the process
         build_directory=str(build_dir),
         is_python_module=False,
