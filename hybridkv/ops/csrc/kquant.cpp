@@ -1071,9 +1071,18 @@ void rows_dot_unpacked(const uint8_t* w, int64_t nb, int64_t K, const int8_t* a,
 }
 #endif
 
+#ifdef __AVX2__
 #ifdef HYBRIDKV_VNNI
 using hybridkv::dpbusd;
 using hybridkv::dpwssd;
+#else
+// Without VNNI (AVX2 alone): the byte dot by maddubs, exact here as K-quant codes are at most 63,
+// so a pair's two products sum within int16 (|63·128·2| < 32767), then widened and added.
+ALWAYS_INLINE __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+ALWAYS_INLINE __m256i dpwssd(__m256i acc, __m256i a, __m256i b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
+#endif
 using hybridkv::transpose8;
 
 // R activation rows against 8 transposed weight rows' super-block b (`rows8_kdot`'s ct, scales, mn):
@@ -1390,7 +1399,7 @@ void matmul_impl(const Q8K& xq, const uint8_t* w, int64_t N, float* y, int64_t l
               n += 16;
             }
 #endif
-#ifdef HYBRIDKV_VNNI
+#ifdef __AVX2__
             if (T >= ROWS8_FROM)
               for (; n + 8 <= end; n += 8)
                 rows8_kdot<KT>(w + n * nb * KT::bytes, nb * KT::bytes, nb, K, a, dx, xs.data(), all_rows.data() + t0,
@@ -1634,7 +1643,7 @@ void experts_impl(const Q8K& xq, const uint8_t* w, const int64_t* ids, int64_t N
             continue;
           }
 #endif
-#ifdef HYBRIDKV_VNNI
+#ifdef __AVX2__
         if (start[g + 1] - start[g] >= ROWS8_FROM && n % 8 == 0 && n + 8 <= N && u + 8 <= u1) {
           for (int64_t i = start[g]; i < start[g + 1]; i += TILE_T)
             rows8_kdot<KT>(wr, row_bytes, nb, K, a, dx, xs.data(), pairs.data() + i, std::min(TILE_T, start[g + 1] - i),
