@@ -1399,12 +1399,10 @@ void matmul_impl(const Q8K& xq, const uint8_t* w, int64_t N, float* y, int64_t l
               n += 16;
             }
 #endif
-#ifdef __AVX2__
             if (T >= ROWS8_FROM)
               for (; n + 8 <= end; n += 8)
                 rows8_kdot<KT>(w + n * nb * KT::bytes, nb * KT::bytes, nb, K, a, dx, xs.data(), all_rows.data() + t0,
                                tiles, y + n, ldy, acc);
-#endif
             for (; n < end; ++n)
               rows_dot_unpacked<KT>(w + n * nb * KT::bytes, nb, K, a1, dx, xs.data(), all_rows.data() + t0, tiles,
                                     y + n, ldy, acc, t0 == 0);
@@ -1643,7 +1641,8 @@ void experts_impl(const Q8K& xq, const uint8_t* w, const int64_t* ids, int64_t N
             continue;
           }
 #endif
-#ifdef __AVX2__
+        // Many tokens on this expert: 8 of its rows at a time (without AVX-512, or the rows the
+        // 16-row form leaves), as `matmul_impl`.
         if (start[g + 1] - start[g] >= ROWS8_FROM && n % 8 == 0 && n + 8 <= N && u + 8 <= u1) {
           for (int64_t i = start[g]; i < start[g + 1]; i += TILE_T)
             rows8_kdot<KT>(wr, row_bytes, nb, K, a, dx, xs.data(), pairs.data() + i, std::min(TILE_T, start[g + 1] - i),
@@ -1651,7 +1650,6 @@ void experts_impl(const Q8K& xq, const uint8_t* w, const int64_t* ids, int64_t N
           u += 7;
           continue;
         }
-#endif
         // Several tokens on this expert (prefill, batched decode): each super-block unpacked once for all.
         if (start[g + 1] - start[g] >= 2) {
           for (int64_t i = start[g]; i < start[g + 1]; i += TILE_T)
