@@ -54,6 +54,7 @@ constexpr int64_t kQ4KR = 1012;  // Q4_K repacked at load (`Q4KR`): hybridkv's i
 
 enum class Isa { Scalar, Avx2 };
 
+
 std::vector<std::string> kq_isas() {
   std::vector<std::string> isas;
 #ifdef __AVX2__
@@ -1134,16 +1135,20 @@ ALWAYS_INLINE void kdot8_rows(const __m256i* ct, const int32_t (*scales)[8], con
 // and each activation row's 4-byte groups are broadcast against them: 4 dot instructions give the
 // 8 rows' sums over 16 codes, one i32 multiply scales them. The same integers S and M as
 // `rows_dot_unpacked`, with no horizontal add; one float step per super-block for 8 rows.
-// w: 8 rows of row_bytes; rows[0..n) activation rows (n <= TILE_T); y[rows[r]·N + 0..8).
+// w: 8 rows of row_bytes; rows[0..n) activation rows (n <= TILE_T); y[rows[r]·N + 0..8). ahead:
+// the next 8 rows, fetched into L2 during this pass (or nullptr): 1.14-1.43x on weights streaming
+// from memory (AVX2 build, [8192, 2048] Q4_K_R and Q6_K at 32 and 56 rows).
 template <class KT>
 void rows8_kdot(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t K, const int8_t* a, const float* dx,
-                const int16_t* xs, const int64_t* rows, int64_t n, float* y, int64_t N, __m256* acc) {
+                const int16_t* xs, const int64_t* rows, int64_t n, float* y, int64_t N, __m256* acc,
+                const uint8_t* ahead) {
   Unpacked u[8];
   alignas(32) int32_t scales[16][8];
   alignas(32) float dws[8], dmins[8];
   __m256i ct[64], mn[8];
   for (int64_t r = 0; r < n; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
+    if (ahead != nullptr) hybridkv::prefetch_rows<true>(ahead + b * KT::bytes, 8, row_bytes, KT::bytes);
     for (int i = 0; i < 8; ++i) {
       const uint8_t* wb = w + i * row_bytes + b * KT::bytes;
       unpack(KT{}, wb, u[i]);
@@ -1329,9 +1334,20 @@ void rows16_kdot(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t K, con
 // Activation rows taken at once against a weight row: their accumulators, and the rows of prefill
 // products' tiles (64 rows of 2048 features: 128 KiB, in L2 with the weight rows they meet).
 constexpr int64_t TILE_T = 64;
-// From this many activation rows on, the dense product takes weight rows 8 at a time (`rows8_kdot`):
-// its per-super-block transposes pay off only over many rows (measured: slower at 4-16, 1.2x at 64+).
-constexpr int64_t ROWS8_FROM = 32;
+// From this many activation rows on, a product without AVX-512 takes weight rows 8 at a time
+// (`rows8_kdot`; with it, the rows the 16-row form leaves), dense or each expert's: its
+// per-super-block transposes pay off only over several rows. Measured with the next rows fetched
+// into L2 (Zen 4, 2 threads, weights streaming from memory, the AVX2 and 256-bit VNNI builds of
+// HYBRIDKV_ARCH, against the unpacked form): dense Q4_K_R and Q6_K at 16 rows 0.98-1.09x without
+// VNNI and 1.14-1.24x with it, at 24 1.04-1.28x and 1.28-1.49x; 64 experts at 7 tokens each
+// 0.97-1.03x and 0.94-1.13x, at 12 1.08-1.19x and 1.29-1.68x.
+constexpr int64_t rows8_from(bool experts) {
+#ifdef HYBRIDKV_VNNI
+  return experts ? 8 : 16;
+#else
+  return experts ? 8 : 24;
+#endif
+}
 // On AVX-512 the 16-row form (`rows16_kdot`) pays from 16 rows: 1.5-2.5x `rows_dot_unpacked` at 16,
 // 2-3x at 32. Below, its unpacking and transposes of 16 rows are shared by fewer activation rows.
 constexpr int64_t ROWS16_FROM = 16;
@@ -1399,10 +1415,10 @@ void matmul_impl(const Q8K& xq, const uint8_t* w, int64_t N, float* y, int64_t l
               n += 16;
             }
 #endif
-            if (T >= ROWS8_FROM)
+            if (T >= rows8_from(false))
               for (; n + 8 <= end; n += 8)
                 rows8_kdot<KT>(w + n * nb * KT::bytes, nb * KT::bytes, nb, K, a, dx, xs.data(), all_rows.data() + t0,
-                               tiles, y + n, ldy, acc);
+                               tiles, y + n, ldy, acc, t0 == 0 && n + 16 <= N ? w + (n + 8) * nb * KT::bytes : nullptr);
             for (; n < end; ++n)
               rows_dot_unpacked<KT>(w + n * nb * KT::bytes, nb, K, a1, dx, xs.data(), all_rows.data() + t0, tiles,
                                     y + n, ldy, acc, t0 == 0);
@@ -1643,10 +1659,10 @@ void experts_impl(const Q8K& xq, const uint8_t* w, const int64_t* ids, int64_t N
 #endif
         // Many tokens on this expert: 8 of its rows at a time (without AVX-512, or the rows the
         // 16-row form leaves), as `matmul_impl`.
-        if (start[g + 1] - start[g] >= ROWS8_FROM && n % 8 == 0 && n + 8 <= N && u + 8 <= u1) {
+        if (start[g + 1] - start[g] >= rows8_from(true) && n % 8 == 0 && n + 8 <= N && u + 8 <= u1) {
           for (int64_t i = start[g]; i < start[g + 1]; i += TILE_T)
             rows8_kdot<KT>(wr, row_bytes, nb, K, a, dx, xs.data(), pairs.data() + i, std::min(TILE_T, start[g + 1] - i),
-                           y + n, N, acc);
+                           y + n, N, acc, i == start[g] && n + 16 <= N ? wr + 8 * row_bytes : nullptr);
           u += 7;
           continue;
         }
