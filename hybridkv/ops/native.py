@@ -16,10 +16,10 @@ compiler, `HYBRIDKV_NATIVE=0`) and that the tests compare it with:
 The build (1–2.5 min on 2 cores; the system's g++, ninja from PyPI) goes to a directory of
 torch.utils.cpp_extension's root ($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions) named
 by a hash of what makes the library — the sources' bytes, the flags, torch's version — and of this
-CPU's features (the code is built with -march=native, or HYBRIDKV_ARCH's flags), never by where the sources lie: every
-checkout of the same sources on this machine loads the one library, which is opened directly when
-it exists (no ninja run). After a build, the other builds there that no process has loaded for 30
-days are removed (`prune_stale_builds`).
+CPU's features (the code is built with -march=native, or HYBRIDKV_ARCH's flags), never by where
+the sources lie: every checkout of the same sources on this machine loads the one library, which
+is opened directly when it exists (no ninja run). After a build, the other builds there that no
+process has loaded for 30 days are removed (`prune_stale_builds`).
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ disabled = os.environ.get(DISABLE_ENV) == "0"
 
 # The instruction sets the kernels are built for: this CPU's (-march=native), or, to build and test
 # the code paths of another class of CPU on this one, the compiler's target flags in HYBRIDKV_ARCH:
-# `make test` runs the block kernels' tests again with "-march=x86-64-v3" (AVX2 and FMA, neither
-# AVX-512 nor VNNI: Zen 2 and 3, Haswell to Comet Lake) and with "-march=x86-64-v3 -mavx512f
+# tests/ops/test_native_arch.py runs the block kernels' tests with "-march=x86-64-v3" (AVX2, FMA, no
+# AVX-512, no VNNI: Zen 2 and 3, Haswell to Comet Lake) and with "-march=x86-64-v3 -mavx512f
 # -mavx512vl -mavx512vnni" (VNNI on 256-bit vectors only: the paths of AVX-VNNI CPUs such as Alder
 # Lake, in their EVEX form). Flags for instructions this CPU lacks build a library that crashes.
 ARCH_ENV = "HYBRIDKV_ARCH"

@@ -296,11 +296,11 @@ def test_matmul_parts_is_each_parts_product_side_by_side(T: int) -> None:
 @pytest.mark.skipif(native.kernels() is None, reason="C++ kernels could not be built here")
 @pytest.mark.parametrize("t", KERNEL_TYPES, ids=lambda t: t.name)
 def test_experts_matmul_equals_each_tokens_product_on_its_expert(t: GGMLType) -> None:
-    """Expert 0 meets 67 tokens (two tiles: on AVX-512 its rows 0-15 sixteen at a time, with VNNI
-    rows 16-23 eight at a time, the last five unpacked), expert 1 two, expert 2 one (the one-token
-    path: its rows eight at a time, the rest one by one), experts 3 and 4 seven and five, between
-    the others' (on AVX-512 Q4_K_R's rows 0-15 sixteen at a time, the rest decoded, 4 + 3 and 3 + 2
-    rows; Q6_K's two decoded, its seven and five unpacked)."""
+    """Expert 0 meets 67 tokens (two tiles: on AVX-512 its rows 0-15 sixteen at a time, then rows
+    16-23 eight at a time, without AVX-512 rows 0-23; the last five unpacked), expert 1 two,
+    expert 2 one (the one-token path: its rows eight at a time, the rest one by one), experts 3
+    and 4 seven and five, between the others' (on AVX-512 Q4_K_R's rows 0-15 sixteen at a time,
+    the rest decoded, 4 + 3 and 3 + 2 rows; Q6_K's two decoded, its seven and five unpacked)."""
     E, N, K, f = 5, 29, 512, file_type(t)
     rows = np.stack([weight_rows(f, N, K, seed=e) for e in range(E)])
     ids = torch.tensor([0] * 33 + [1, 2] + [3, 4] * 5 + [0] * 34 + [3, 1, 3])

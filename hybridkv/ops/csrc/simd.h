@@ -105,12 +105,12 @@ inline void transpose8(__m256i* v) {
   v[7] = _mm256_permute2x128_si256(b3, b7, 0x31);
 }
 
-// Prefetches `bytes` bytes at `at` of each of `rows` rows row_bytes apart, into L1 or (`ToL2`)
-// L2. The kernels that read 8 or 16 weight rows at once fetch the
-// next group this way: that many short strided streams defeat the hardware prefetcher. The 16-row
-// K-quant products fetch into L2: on weights streaming from memory they ran 1.06-1.39x faster
-// than fetching into L1 (Zen 4, 2 threads, 16 and 56 rows), the expert-indexed ones at 7 tokens
-// an expert 1.3x. The 32-weight types' products measured even within this host's noise and keep L1.
+// Prefetches `bytes` bytes at `at` of each of `rows` rows row_bytes apart, into L1 or (`ToL2`) L2.
+// The kernels that read 8 or 16 weight rows at once fetch the next group this way: that many short
+// strided streams defeat the hardware prefetcher. The K-quants' 8- and 16-row products fetch into
+// L2: on weights streaming from memory they ran 1.06-1.43x faster than fetching into L1 (Zen 4,
+// 2 threads, 16 to 56 rows), the expert-indexed ones at 7 tokens an expert 1.3x. The 32-weight
+// types' products measured even within this host's noise and keep L1.
 template <bool ToL2 = false>
 inline void prefetch_rows(const uint8_t* at, int rows, int64_t row_bytes, int bytes) {
   for (int i = 0; i < rows; ++i)
