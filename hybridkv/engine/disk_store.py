@@ -89,7 +89,7 @@ class DiskStore:
                 stale.unlink(missing_ok=True)
             if about is not None and not (self.dir / "model.json").exists():
                 self._write_file("model.json", json.dumps(about, indent=1).encode(), raw=True)
-            self.bytes_used = _usage(self.root)
+            self._set_usage(_usage(self.root))  # a scan at each open: files deleted by hand counted out
 
     def close(self) -> None:
         os.close(self._lock_fd)
@@ -102,6 +102,23 @@ class DiskStore:
                 yield
             finally:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    # The bytes under `root`, shared by every process writing there: kept in the lock file (8 bytes,
+    # read and written under the lock), so that one process's writes count against the budget in
+    # the others'. A count of each process's own (as before) let two writers together overrun it.
+    # An empty lock file (`clear`) means unknown: the directory is scanned.
+
+    def _usage_now(self) -> int:
+        raw = os.pread(self._lock_fd, 8, 0)
+        if len(raw) == 8:
+            self.bytes_used = int.from_bytes(raw, "little")
+        else:
+            self._set_usage(_usage(self.root))
+        return self.bytes_used
+
+    def _set_usage(self, used: int) -> None:
+        self.bytes_used = max(0, used)
+        os.pwrite(self._lock_fd, self.bytes_used.to_bytes(8, "little"), 0)
 
     # -- names ------------------------------------------------------------------------------
 
@@ -132,10 +149,10 @@ class DiskStore:
         start = time.perf_counter()
         try:
             with self._locked():
-                if self.bytes_used + size > self.budget:  # to 90%: not a scan of the directory every write
+                if self._usage_now() + size > self.budget:  # to 90%: not a scan of the directory every write
                     self._evict(self.budget * 9 // 10 - size)
                 self._write_file(name, header, *parts)
-                self.bytes_used += size
+                self._set_usage(self.bytes_used + size)
         except OSError as e:
             why = "the disk is full" if e.errno == errno.ENOSPC else e.strerror or str(e)
             log.warning("disk cache: not writing %s: %s", self.dir / name, why)
@@ -175,7 +192,7 @@ class DiskStore:
             dropped, freed = dropped + 1, freed + size
         if dropped:
             log.warning("disk cache: evicted %d least recently used files (%d bytes): budget reached", dropped, freed)
-        self.bytes_used = used
+        self._set_usage(used)
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -201,7 +218,11 @@ class DiskStore:
     def discard(self, name: str, why: str) -> None:
         log.warning("disk cache: %s: %s; deleted (a miss, recomputed)", self.dir / name, why)
         with self._locked():
-            (self.dir / name).unlink(missing_ok=True)
+            path = self.dir / name
+            with suppress(FileNotFoundError):
+                size = path.stat().st_size
+                path.unlink()
+                self._set_usage(self._usage_now() - size)
         self._names.discard(name)
 
     def drop_page_cache(self) -> None:
@@ -295,6 +316,7 @@ def clear(root: Path) -> int:
         for path, _, size in list(_cache_files(root)):
             path.unlink(missing_ok=True)
             freed += size
+        os.ftruncate(fd, 0)  # the stores' shared count (`DiskStore._usage_now`): unknown, scanned next
         return freed
     finally:
         os.close(fd)

@@ -42,6 +42,19 @@ def test_two_writers_on_one_directory_leave_only_whole_files(tmp_path: Path) -> 
     assert not list(tmp_path.glob("*/.tmp-*"))
 
 
+def test_two_writers_taking_turns_keep_to_the_budget_together(tmp_path: Path) -> None:
+    """Each store counts the other's writes (the count in the lock file): taking turns, two stores
+    that each wrote less than the budget must not hold more than it between them."""
+    a, b = (DiskStore(tmp_path, KEY, budget=100 << 10) for _ in range(2))
+    for i in range(80):  # 80 x ~2 KiB: 160 KiB written, each store ~80 KiB of it
+        (a if i % 2 else b).write(f"{i:032x}.kv", [bytes([i]) * 2000])
+        assert sum(p.stat().st_size for p in tmp_path.glob("*/*.kv")) <= 100 << 10, i
+    assert a.bytes_used == sum(p.stat().st_size for p in tmp_path.glob("*/*.kv"))  # a wrote last
+    b.discard(f"{79:032x}.kv", "a test")  # counted out for a too
+    a.write(f"{80:032x}.kv", [b"x" * 2000])
+    assert a.bytes_used == sum(p.stat().st_size for p in tmp_path.glob("*/*.kv"))
+
+
 def test_a_file_under_another_name_is_refused(tmp_path: Path) -> None:
     store = DiskStore(tmp_path, KEY, budget=1 << 20)
     store.write("a.kv", [b"x" * 100])
