@@ -158,7 +158,7 @@ class DiskStore:
             log.warning("disk cache: not writing %s: %s", self.dir / name, why)
             if e.errno == errno.ENOSPC:  # make room for the next ones
                 with self._locked():
-                    self._evict(self.bytes_used // 2)
+                    self._evict(self._usage_now() // 2)
             return False
         finally:
             self.write_seconds += time.perf_counter() - start
