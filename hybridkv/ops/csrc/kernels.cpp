@@ -826,40 +826,90 @@ void delta_step(float* S, const float* q, const float* k, const float* v, float 
   }
 }
 
-// Columns [c, c + NV*LANES) of `delta_step`: each column of S only meets its own u and o, so a
-// head runs as column slices whose u and o stay in registers (NV = 4: 8 of the 16 AVX2 registers).
-// The decayed state is formed twice, the same products, instead of stored between the passes:
-// one write of S per token, not two.
-template <int NV>
-inline void delta_columns(float* S, const float* q, const float* k, const float* v, float beta, float decay,
-                          int64_t dk, int64_t dv, int64_t c, float* o_out) {
-  vf u[NV] = {}, o[NV] = {};
-  for (int64_t i = 0; i < dk; ++i) {
-    const float* row = S + i * dv + c;
-    for (int j = 0; j < NV; ++j) u[j] += k[i] * (load(row + j * LANES) * decay);
-  }
-  for (int j = 0; j < NV; ++j) u[j] = beta * (load(v + c + j * LANES) - u[j]);
-  for (int64_t i = 0; i < dk; ++i) {
-    float* row = S + i * dv + c;
-    for (int j = 0; j < NV; ++j) {
-      const vf updated = load(row + j * LANES) * decay + k[i] * u[j];
-      store(row + j * LANES, updated);
-      o[j] += q[i] * updated;
-    }
-  }
-  for (int j = 0; j < NV; ++j) store(o_out + c + j * LANES, o[j]);
-}
+// What `delta_run` needs of one token of one value head.
+struct DeltaToken {
+  const float *q, *k, *v;
+  float beta, decay, qk;  // qk = q . k
+};
 
-// `delta_step` a vector of columns at a time (dv a multiple of LANES). With 32 registers a slice
-// is 8 vectors, a whole row of a 128-wide head, so each pass reads the state in order (4-vector
-// slices read half-rows 512 B apart: the 0.8B shape's 18 layers took 20% longer at batch 8, 13%
-// at batch 1, Zen 4).
-void delta_step_vec(float* S, const float* q, const float* k, const float* v, float beta, float decay, int64_t dk,
-                    int64_t dv, float* o_out) {
-  constexpr int NV = LANES == 16 ? 8 : 4;
-  int64_t c = 0;
-  for (; c + NV * LANES <= dv; c += NV * LANES) delta_columns<NV>(S, q, k, v, beta, decay, dk, dv, c, o_out);
-  for (; c < dv; c += LANES) delta_columns<1>(S, q, k, v, beta, decay, dk, dv, c, o_out);
+// Below this, a run's state multiple g (see `delta_run`) is folded into the state.
+constexpr float DELTA_FOLD_BELOW = 1e-6f;
+
+// The gated delta rule of `delta_step` over a run of n tokens, on columns [c, c + NV*LANES) of a
+// head's state S [dk, dv] and of its tokens' v and o. Each column of the state meets
+// only its own u and o, so the slice (dk x 32 floats: 16 KiB at dk = 128) stays in L1 for the
+// whole run, where token by token the whole head (64 KiB) streamed through L2 twice a token.
+// The slice is held as S = g P: a token's decay multiplies g, not the state, and one pass per
+// token updates P and reads the next token's P^T k and P^T q (three multiply-adds an element,
+// where decay, write and read-out took five):
+//   a = P^T k, b = P^T q,  g' = g decay,  u = beta (v - g' a),  o = S'^T q = g' b + (q . k) u,
+//   P += k (u / g')   (S' = g' P),  or, folding g into the state,  P = g' P + k u and g' = 1.
+// The run folds after its last token (S itself again) and when g' falls below DELTA_FOLD_BELOW
+// (so P stays within a few powers of ten of S). Writes o's columns to o (a token's row o_stride
+// apart).
+template <int NV>
+void delta_run(float* S, int64_t c, int64_t dk, int64_t dv, const DeltaToken* tok, int64_t n, float* o,
+               int64_t o_stride) {
+  S += c, o += c;
+  vf a[NV], b[NV];
+  {  // the first token's reads
+    vf a2[NV] = {}, b2[NV] = {};
+    const float *k = tok[0].k, *q = tok[0].q;
+    for (int v = 0; v < NV; ++v) a[v] = b[v] = vf{};
+    int64_t i = 0;
+    for (; i + 2 <= dk; i += 2)
+      for (int v = 0; v < NV; ++v) {
+        const vf r0 = load(S + i * dv + v * LANES), r1 = load(S + (i + 1) * dv + v * LANES);
+        a[v] += k[i] * r0, b[v] += q[i] * r0, a2[v] += k[i + 1] * r1, b2[v] += q[i + 1] * r1;
+      }
+    for (; i < dk; ++i)
+      for (int v = 0; v < NV; ++v) {
+        const vf r = load(S + i * dv + v * LANES);
+        a[v] += k[i] * r, b[v] += q[i] * r;
+      }
+    for (int v = 0; v < NV; ++v) a[v] += a2[v], b[v] += b2[v];
+  }
+  float g = 1.f;
+  for (int64_t t = 0; t < n; ++t) {
+    const DeltaToken& x = tok[t];
+    const float g2 = g * x.decay;
+    vf w[NV];
+    for (int v = 0; v < NV; ++v) {
+      w[v] = x.beta * (load(x.v + c + v * LANES) - g2 * a[v]);
+      store(o + t * o_stride + v * LANES, g2 * b[v] + x.qk * w[v]);
+    }
+    const bool next = t + 1 < n;
+    const bool fold = !next || !(g2 >= DELTA_FOLD_BELOW);
+    if (!fold)
+      for (int v = 0; v < NV; ++v) w[v] *= 1.f / g2;
+    // One pass: P updated (folded: times g2), and the next token's reads from the new P.
+    auto pass = [&](auto fold_c, auto next_c) {
+      constexpr bool FOLD = decltype(fold_c)::value, NEXT = decltype(next_c)::value;
+      const float* k = x.k;
+      const float *kn = NEXT ? tok[t + 1].k : nullptr, *qn = NEXT ? tok[t + 1].q : nullptr;
+      vf a2[NV] = {}, b2[NV] = {};
+      for (int v = 0; v < NV; ++v) a[v] = b[v] = vf{};
+      auto row = [&](int64_t i, vf* ra, vf* rb) {
+        for (int v = 0; v < NV; ++v) {
+          float* p = S + i * dv + v * LANES;
+          const vf r = FOLD ? load(p) * g2 + k[i] * w[v] : load(p) + k[i] * w[v];
+          store(p, r);
+          if constexpr (NEXT) ra[v] += kn[i] * r, rb[v] += qn[i] * r;
+        }
+      };
+      int64_t i = 0;
+      for (; i + 2 <= dk; i += 2) row(i, a, b), row(i + 1, a2, b2);
+      for (; i < dk; ++i) row(i, a, b);
+      for (int v = 0; v < NV; ++v) a[v] += a2[v], b[v] += b2[v];
+    };
+    using T_ = std::true_type;
+    using F_ = std::false_type;
+    if (fold)
+      next ? pass(T_{}, T_{}) : pass(T_{}, F_{});
+    else
+      pass(F_{}, T_{});  // not folding means a next token
+    g = fold ? 1.f : g2;
+  }
 }
 
 // out = RMSNorm(o) * weight * silu(z) over dv.
@@ -1125,33 +1175,57 @@ at::Tensor gdn_forward(const at::Tensor& mixed_in, const at::Tensor& conv_weight
       }
   });
 
-  // Phase 2, per (sequence, value head), token by token: decay, delta-rule write, read-out,
-  // gated RMSNorm.
+  // Phase 2, per (sequence, value head): gates, the delta rule over the sequence's tokens (a
+  // column slice at a time, `delta_run`; runs end at the tokens that keep a snapshot, which is
+  // the head's state copied whole), then gated RMSNorm of each token's o in place.
   at::Tensor out = at::empty({T, Hv * dv}, mixed.options());
   float* op = out.data_ptr<float>();
   const float *alp = a_log.data_ptr<float>(), *bp = bias.data_ptr<float>(), *nwp = nw.data_ptr<float>();
+  constexpr int64_t SLICE = 2 * LANES;
   const bool vectors = dv % LANES == 0;
   hybridkv::claimed_for(N * Hv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> u(dv), o(dv);
+    std::vector<float> u(dv);
+    std::vector<DeltaToken> toks;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n = item / Hv, h = item % Hv, key_head = tiled ? h % Hk : h / r;
       float* Sh = dp + ((slot[n] * Hv) + h) * dk * dv;  // [dk, dv]
       const float a_scale = -std::exp(alp[h]);
-      int64_t p = first_snapshot(cup[n]);
-      for (int64_t t = cup[n]; t < cup[n + 1]; ++t) {
+      const int64_t t0 = cup[n], len = cup[n + 1] - t0;
+      toks.resize(len);
+      for (int64_t t = t0; t < t0 + len; ++t) {
         const float* x = mp + t * W;
-        const float* q = yp + t * C + key_head * dk;
-        const float* k = yp + t * C + (Hk + key_head) * dk;
-        const float* v = yp + t * C + 2 * Hk * dk + h * dv;
+        const float *q = yp + t * C + key_head * dk, *k = yp + t * C + (Hk + key_head) * dk;
         const float beta = sigmoid(x[C + Hv * dv + h]);
         const float decay = std::exp(a_scale * softplus(x[C + Hv * dv + Hv + h] + bp[h]));
-        if (vectors)
-          delta_step_vec(Sh, q, k, v, beta, decay, dk, dv, o.data());
-        else
-          delta_step(Sh, q, k, v, beta, decay, dk, dv, u.data(), o.data());
-        for (; p < S && stok[p] == t; ++p)
+        toks[t - t0] = {q, k, yp + t * C + 2 * Hk * dk + h * dv, beta, decay, dot(q, k, dk)};
+      }
+      float* o = op + t0 * Hv * dv + h * dv;
+      int64_t p = first_snapshot(t0);
+      for (int64_t start = 0; start < len;) {
+        const int64_t stop = p < S && stok[p] < t0 + len ? stok[p] - t0 + 1 : len;  // tokens [start, stop)
+        if (vectors) {
+          for (int64_t c = 0; c < dv;) {
+            if (c + SLICE <= dv) {
+              delta_run<2>(Sh, c, dk, dv, toks.data() + start, stop - start, o + start * Hv * dv, Hv * dv);
+              c += SLICE;
+            } else {
+              delta_run<1>(Sh, c, dk, dv, toks.data() + start, stop - start, o + start * Hv * dv, Hv * dv);
+              c += LANES;
+            }
+          }
+        } else {
+          for (int64_t t = start; t < stop; ++t) {
+            const DeltaToken& x = toks[t];
+            delta_step(Sh, x.q, x.k, x.v, x.beta, x.decay, dk, dv, u.data(), o + t * Hv * dv);
+          }
+        }
+        for (; p < S && stok[p] == t0 + stop - 1; ++p)
           std::memcpy(sdp + ((sid[p] * Hv) + h) * dk * dv, Sh, dk * dv * sizeof(float));
-        gated_rms_norm(o.data(), x + C + h * dv, nwp, static_cast<float>(eps), dv, op + t * Hv * dv + h * dv);
+        start = stop;
+      }
+      for (int64_t t = t0; t < t0 + len; ++t) {
+        float* ot = op + t * Hv * dv + h * dv;
+        gated_rms_norm(ot, mp + t * W + C + h * dv, nwp, static_cast<float>(eps), dv, ot);
       }
     }
   });
