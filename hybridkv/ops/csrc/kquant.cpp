@@ -1086,6 +1086,14 @@ ALWAYS_INLINE __m256i dpwssd(__m256i acc, __m256i a, __m256i b) { return _mm256_
 #endif
 using hybridkv::transpose8;
 
+// The first pair p of a row's 16 i16 mins (mn[p]: mins 2p, 2p + 1) that can be nonzero: a type with
+// a scale per 32 codes keeps its 8 scales in the first half and its activation sums there are 0
+// (`min_sums`), so the pairs before 4 add nothing (4 of 8 word dot products a row saved).
+template <class KT>
+constexpr int first_min_pair() {
+  return KT::scale_codes == 32 ? 4 : 0;
+}
+
 // R activation rows against 8 transposed weight rows' super-block b (`rows8_kdot`'s ct, scales, mn):
 // each code vector is loaded once for the R rows, and a type whose scales cover 32 codes (Q4_K,
 // Q5_K) multiplies once per 32 codes instead of once per 16. The same integers S and M.
@@ -1111,7 +1119,7 @@ ALWAYS_INLINE void kdot8_rows(const __m256i* ct, const int32_t (*scales)[8], con
   }
   __m256i M[R];
   for (int i = 0; i < R; ++i) M[i] = _mm256_setzero_si256();
-  for (int p = 0; p < 8; ++p)
+  for (int p = first_min_pair<KT>(); p < 8; ++p)
     for (int i = 0; i < R; ++i) {
       const int32_t* xm = reinterpret_cast<const int32_t*>(xs + (rows[i] * nb + b) * 16);
       M[i] = dpwssd(M[i], mn[p], _mm256_set1_epi32(xm[p]));
@@ -1197,7 +1205,7 @@ ALWAYS_INLINE void kdot16_rows(const __m512i* ct, const __m512i* scales, const _
   }
   __m512i M[R];
   for (int i = 0; i < R; ++i) M[i] = _mm512_setzero_si512();
-  for (int p = 0; p < 8; ++p)
+  for (int p = first_min_pair<KT>(); p < 8; ++p)
     for (int i = 0; i < R; ++i) {
       const int32_t* xm = reinterpret_cast<const int32_t*>(xs + (rows[i] * nb + b) * 16);
       M[i] = _mm512_dpwssd_epi32(M[i], mn[p], _mm512_set1_epi32(xm[p]));
