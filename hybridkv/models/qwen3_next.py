@@ -426,7 +426,7 @@ def _build_plan(layer: DecoderLayer, next_norm: RMSNorm) -> NativePlan:
         weights += [cast(torch.Tensor, w) for w in (f.gate_in, f.gate_up, f.down, f.shared_down)]
     elif isinstance(f, SparseMoE) and block_moe:
         # `moe.routed_experts` takes every (token, expert) pair in one call per part up to PAIRS_ROWS
-        ints += [f.top_k, int(f.norm_topk_prob), f.E, FEW_ROWS]
+        ints += [f.top_k, int(f.norm_topk_prob), f.E]
         add(f.gate_in, f.gate_up, f.down, f.shared_down)
         max_tokens = min(FEW_ROWS, PAIRS_ROWS // f.top_k)
     with_ffn = dense or moe or block_moe

@@ -134,14 +134,10 @@ def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) · up for gate_up [..., 2I] holding gate columns first. Up to FEW_ROWS float32
-    rows (decode), the C++ kernel (`native.silu_mul`) in one call."""
-    if (
-        gate_up.dim() == 2
-        and gate_up.shape[0] <= FEW_ROWS
-        and gate_up.dtype == torch.float32
-        and native.enabled(gate_up)
-    ):
+    """silu(gate) · up for gate_up [..., 2I] holding gate columns first. Float32 rows: the C++ kernel
+    (`native.silu_mul`) in one pass (ATen's two ops on the strided halves took 1.6x its time at 56
+    rows of the 0.8B shape, 1.8x at 512)."""
+    if gate_up.dim() == 2 and gate_up.dtype == torch.float32 and native.enabled(gate_up):
         return native.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

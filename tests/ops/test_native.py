@@ -299,7 +299,7 @@ def test_add_rms_norm_is_the_add_then_the_norm(dtype: torch.dtype, shape: tuple[
         native.add_rms_norm(x, delta[:, :-1], w, 1e-6)
 
 
-@pytest.mark.parametrize(("T", "I"), [(1, 3584), (5, 37), (32, 512)])  # 37: a tail past the vectors
+@pytest.mark.parametrize(("T", "I"), [(1, 3584), (5, 37), (32, 512), (70, 100)])  # 37, 100: tails past the vectors
 def test_silu_mul_equals_the_pytorch_twin(T: int, I: int) -> None:  # noqa: E741
     gate_up = torch.randn(T, 2 * I, generator=torch.Generator().manual_seed(I)) * 4
     gate, up = gate_up.chunk(2, dim=-1)

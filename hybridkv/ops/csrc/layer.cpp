@@ -13,7 +13,7 @@
 //   ffn     NONE: return (h, n) after the mixer; the caller runs its feed-forward
 //           DENSE: (gate_up, down, next_norm)   MOE: top_k, norm_topk  (gate_in, gate_up, down,
 //           shared_down, next_norm: float experts, the `moe_block` kernel)
-//           BLOCK_MOE: top_k, norm_topk, E, few_rows  (gate_in, gate_up experts, down experts,
+//           BLOCK_MOE: top_k, norm_topk, E  (gate_in, gate_up experts, down experts,
 //           shared_down, next_norm: experts in a file's blocks, `ops.moe.moe_block`'s ops)
 //   projection descriptor: FLOAT (one [in, out] tensor: rows_matmul) | K_PARTS n type_1..type_n
 //           (n K-quant row blocks: kq_matmul_parts) | Q8 type (one 32-weight type's rows: q8_matmul)
@@ -115,16 +115,9 @@ struct BlockExperts {
   }
 };
 
-// silu(gate)·up as `ops.matmul.silu_mul` takes it: the kernel up to `few_rows` rows, else ATen's ops.
-at::Tensor silu_mul(const at::Tensor& gate_up, int64_t few_rows) {
-  if (gate_up.size(0) <= few_rows) return hybridkv::ops::silu_mul(gate_up);
-  const auto halves = gate_up.chunk(2, -1);
-  return at::silu(halves[0]) * halves[1];
-}
-
 // The whole plan read (and its counts checked) before anything runs: a bad plan changes no cache.
 struct Layer {
-  int64_t mixer, ffn, Hk = 0, dk = 0, H = 0, top_k = 0, E = 0, few_rows = 0;
+  int64_t mixer, ffn, Hk = 0, dk = 0, H = 0, top_k = 0, E = 0;
   bool tiled = false, norm_topk = false;
   std::vector<Projection> projections;  // in_proj, out_proj | qkv_proj, o_proj; then gate_up, down
                                         // (DENSE) or gate_in, shared_down (BLOCK_MOE)
@@ -155,7 +148,7 @@ struct Layer {
       top_k = r.integer(), norm_topk = r.integer() != 0;
       for (int i = 0; i < 4; ++i) tensors.push_back(r.tensor());
     } else if (ffn == FFN_BLOCK_MOE) {
-      top_k = r.integer(), norm_topk = r.integer() != 0, E = r.integer(), few_rows = r.integer();
+      top_k = r.integer(), norm_topk = r.integer() != 0, E = r.integer();
       projections.emplace_back(r);  // gate_in
       experts.emplace_back(r);
       experts.emplace_back(r);
@@ -178,9 +171,9 @@ at::Tensor block_moe(const Layer& l, const at::Tensor& x) {
   if (l.norm_topk) weights = weights / weights.sum(-1, true);
   const at::Tensor ids = chosen.flatten();
   const at::Tensor xs = T == 1 ? x.expand({k, -1}) : x.repeat_interleave(k, 0);
-  const at::Tensor y = l.experts[1](silu_mul(l.experts[0](xs, ids), l.few_rows), ids);
+  const at::Tensor y = l.experts[1](hybridkv::ops::silu_mul(l.experts[0](xs, ids)), ids);
   const at::Tensor routed = (y * weights.reshape({-1, 1})).view({T, k, -1}).sum(1);
-  const at::Tensor shared = l.projections[3](silu_mul(parts[2], l.few_rows));
+  const at::Tensor shared = l.projections[3](hybridkv::ops::silu_mul(parts[2]));
   return routed + shared * at::sigmoid(parts[1]);
 }
 
