@@ -377,3 +377,39 @@ def test_attention_decode_equals_pytorch_step(
     assert_close(got, want, rel=rel[0])
     assert_close(k_pool, want_k, rel=rel[1], dtype=pool_dtype)
     assert torch.equal(v_pool, want_v)
+
+
+@pytest.mark.parametrize(
+    ("a_shift", "A_log"),
+    [
+        (-30.0, 0.0),  # decay ~ exp(-e^-30): g stays near 1, no fold before the run's end
+        (4.0, 3.0),  # decay ~ exp(-80) a token: g falls below the fold threshold at every token
+        (0.0, 1.0),  # decay ~ 0.15: a fold every 7 or so tokens
+    ],
+)
+def test_gdn_forward_holds_under_decays_that_keep_or_drop_the_state(a_shift: float, A_log: float) -> None:
+    """The kernel keeps a run's state as g·P and folds g back in when g gets small: decays near 1
+    (never folded until the end), near 0 (folded every token) and between give the PyTorch twin's
+    outputs, state and snapshots."""
+    Hk, Hv, dk, dv, K, lens, at = 1, 2, 32, 64, 4, [45, 3], [10, 44, 46]
+    T, C = sum(lens), 2 * Hk * dk + Hv * dv
+    gen = torch.Generator().manual_seed(5)
+    mixed = torch.randn(T, C + Hv * dv + 2 * Hv, generator=gen)
+    mixed[:, -Hv:] += a_shift  # the decay gate's input a
+    conv_w, dt_bias = torch.randn(C, K, generator=gen), torch.zeros(Hv)
+    A_log_t = torch.full((Hv,), A_log)
+    norm_w = torch.rand(dv, generator=gen) + 0.5
+    conv_pool, delta_pool = torch.randn(3, C, K - 1, generator=gen), 0.3 * torch.randn(3, Hv, dk, dv, generator=gen)
+    snap_conv, snap_delta = torch.zeros(4, C, K - 1), torch.zeros(4, Hv, dk, dv)
+    slots, cu = torch.tensor([2, 0]), cu_seqlens_of(lens)
+    snapshot_at, snapshot_ids = torch.tensor(at), torch.tensor([3, 0, 1])
+    o, _, new_delta, _, delta_snaps = _gdn_pytorch(
+        mixed, conv_w, A_log_t, dt_bias, norm_w, 1e-6, Hk, dk, conv_pool[slots], delta_pool[slots], cu, snapshot_at
+    )
+    got = native.gdn_forward(
+        mixed, conv_w, A_log_t, dt_bias, norm_w, 1e-6, Hk, dk,
+        (conv_pool, delta_pool, snap_conv, snap_delta), slots, cu, snapshot_at, snapshot_ids,
+    )  # fmt: skip
+    assert_close(got, o, rel=1e-4)
+    assert_close(delta_pool[slots], new_delta, rel=1e-4)
+    assert_close(snap_delta[snapshot_ids], delta_snaps, rel=1e-4)
