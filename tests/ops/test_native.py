@@ -187,10 +187,22 @@ def _gdn_pytorch(mixed, conv_w, A_log, dt_bias, norm_w, eps, Hk, dk, conv, delta
 def test_gdn_forward_equals_pytorch_path_and_updates_slots_and_snapshots(
     lens: list[int], at: list[int], Hk: int, Hv: int, dk: int, dv: int, K: int
 ) -> None:
+    _check_gdn_forward(lens, at, Hk, Hv, dk, dv, K)
+
+
+def _check_gdn_forward(
+    lens: list[int], at: list[int], Hk: int, Hv: int, dk: int, dv: int, K: int, gates: tuple[float, float] | None = None
+) -> None:
+    """`gdn_forward` against the PyTorch twin on random inputs: outputs, the slots it updates (and
+    only those), the snapshots it writes (and only those). gates (a_shift, A_log): the decay
+    gate's input shifted by a_shift, every head's A_log set, dt_bias 0 (else all random)."""
     T, N, C, slots_total, snaps_total = sum(lens), len(lens), 2 * Hk * dk + Hv * dv, 7, 9
     gen = torch.Generator().manual_seed(Hv * 10 + T)
     mixed = torch.randn(T, C + Hv * dv + 2 * Hv, generator=gen)
     conv_w, A_log, dt_bias = torch.randn(C, K, generator=gen), torch.randn(Hv, generator=gen), torch.randn(Hv)
+    if gates is not None:
+        mixed[:, -Hv:] += gates[0]  # the decay gate's input a
+        A_log, dt_bias = torch.full((Hv,), gates[1]), torch.zeros(Hv)
     norm_w = torch.rand(dv, generator=gen) + 0.5
     conv_pool = torch.randn(slots_total, C, K - 1, generator=gen)
     delta_pool = 0.3 * torch.randn(slots_total, Hv, dk, dv, generator=gen)
@@ -391,25 +403,4 @@ def test_gdn_forward_holds_under_decays_that_keep_or_drop_the_state(a_shift: flo
     """The kernel keeps a run's state as g·P and folds g back in when g gets small: decays near 1
     (never folded until the end), near 0 (folded every token) and between give the PyTorch twin's
     outputs, state and snapshots."""
-    Hk, Hv, dk, dv, K, lens, at = 1, 2, 32, 64, 4, [45, 3], [10, 44, 46]
-    T, C = sum(lens), 2 * Hk * dk + Hv * dv
-    gen = torch.Generator().manual_seed(5)
-    mixed = torch.randn(T, C + Hv * dv + 2 * Hv, generator=gen)
-    mixed[:, -Hv:] += a_shift  # the decay gate's input a
-    conv_w, dt_bias = torch.randn(C, K, generator=gen), torch.zeros(Hv)
-    A_log_t = torch.full((Hv,), A_log)
-    norm_w = torch.rand(dv, generator=gen) + 0.5
-    conv_pool, delta_pool = torch.randn(3, C, K - 1, generator=gen), 0.3 * torch.randn(3, Hv, dk, dv, generator=gen)
-    snap_conv, snap_delta = torch.zeros(4, C, K - 1), torch.zeros(4, Hv, dk, dv)
-    slots, cu = torch.tensor([2, 0]), cu_seqlens_of(lens)
-    snapshot_at, snapshot_ids = torch.tensor(at), torch.tensor([3, 0, 1])
-    o, _, new_delta, _, delta_snaps = _gdn_pytorch(
-        mixed, conv_w, A_log_t, dt_bias, norm_w, 1e-6, Hk, dk, conv_pool[slots], delta_pool[slots], cu, snapshot_at
-    )
-    got = native.gdn_forward(
-        mixed, conv_w, A_log_t, dt_bias, norm_w, 1e-6, Hk, dk,
-        (conv_pool, delta_pool, snap_conv, snap_delta), slots, cu, snapshot_at, snapshot_ids,
-    )  # fmt: skip
-    assert_close(got, o, rel=1e-4)
-    assert_close(delta_pool[slots], new_delta, rel=1e-4)
-    assert_close(snap_delta[snapshot_ids], delta_snaps, rel=1e-4)
+    _check_gdn_forward([45, 3], [10, 44, 46], 1, 2, 32, 64, 4, gates=(a_shift, A_log))
