@@ -836,9 +836,10 @@ struct DeltaToken {
 constexpr float DELTA_FOLD_BELOW = 1e-6f;
 
 // The gated delta rule of `delta_step` over a run of n tokens, on columns [c, c + NV*LANES) of a
-// head's state S [dk, dv] and of its tokens' v and o. Each column of the state meets
-// only its own u and o, so the slice (dk x 32 floats: 16 KiB at dk = 128) stays in L1 for the
-// whole run, where token by token the whole head (64 KiB) streamed through L2 twice a token.
+// head's state S [dk, dv] and of its tokens' v and o. Each column of the state meets only its own
+// u and o, so the slice (2 vectors of columns: 16 KiB at dk = 128 with AVX-512, 8 KiB with AVX2)
+// stays in L1 for the whole run; token by token, the whole head (64 KiB) streamed through L2
+// twice a token.
 // The slice is held as S = g P: a token's decay multiplies g, not the state, and one pass per
 // token updates P and reads the next token's P^T k and P^T q (three multiply-adds an element,
 // where decay, write and read-out took five):
