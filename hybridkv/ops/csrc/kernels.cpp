@@ -835,6 +835,31 @@ struct DeltaToken {
 // Below this, a run's state multiple g (see `delta_run`) is folded into the state.
 constexpr float DELTA_FOLD_BELOW = 1e-6f;
 
+// One pass over a slice's dk rows (S at its first column, rows dv apart). UPDATE: each row becomes
+// row·g + k[i]·w (FOLD) or row + k[i]·w, and is stored. NEXT: a = Σ kn[i]·row, b = Σ qn[i]·row
+// over the rows as they leave the pass (even and odd rows in two chains, then added).
+template <int NV, bool UPDATE, bool FOLD, bool NEXT>
+inline void delta_pass(float* S, int64_t dk, int64_t dv, const float* k, const vf* w, float g, const float* kn,
+                       const float* qn, vf* a, vf* b) {
+  vf a2[NV] = {}, b2[NV] = {};
+  for (int v = 0; v < NV; ++v) a[v] = b[v] = vf{};
+  auto row = [&](int64_t i, vf* ra, vf* rb) {
+    for (int v = 0; v < NV; ++v) {
+      float* p = S + i * dv + v * LANES;
+      vf r = load(p);
+      if constexpr (UPDATE) {
+        r = FOLD ? r * g + k[i] * w[v] : r + k[i] * w[v];
+        store(p, r);
+      }
+      if constexpr (NEXT) ra[v] += kn[i] * r, rb[v] += qn[i] * r;
+    }
+  };
+  int64_t i = 0;
+  for (; i + 2 <= dk; i += 2) row(i, a, b), row(i + 1, a2, b2);
+  for (; i < dk; ++i) row(i, a, b);
+  for (int v = 0; v < NV; ++v) a[v] += a2[v], b[v] += b2[v];
+}
+
 // The gated delta rule of `delta_step` over a run of n tokens, on columns [c, c + NV*LANES) of a
 // head's state S [dk, dv] and of its tokens' v and o. Each column of the state meets only its own
 // u and o, so the slice (2 vectors of columns: 16 KiB at dk = 128 with AVX-512, 8 KiB with AVX2)
@@ -853,23 +878,7 @@ void delta_run(float* S, int64_t c, int64_t dk, int64_t dv, const DeltaToken* to
                int64_t o_stride) {
   S += c, o += c;
   vf a[NV], b[NV];
-  {  // the first token's reads
-    vf a2[NV] = {}, b2[NV] = {};
-    const float *k = tok[0].k, *q = tok[0].q;
-    for (int v = 0; v < NV; ++v) a[v] = b[v] = vf{};
-    int64_t i = 0;
-    for (; i + 2 <= dk; i += 2)
-      for (int v = 0; v < NV; ++v) {
-        const vf r0 = load(S + i * dv + v * LANES), r1 = load(S + (i + 1) * dv + v * LANES);
-        a[v] += k[i] * r0, b[v] += q[i] * r0, a2[v] += k[i + 1] * r1, b2[v] += q[i + 1] * r1;
-      }
-    for (; i < dk; ++i)
-      for (int v = 0; v < NV; ++v) {
-        const vf r = load(S + i * dv + v * LANES);
-        a[v] += k[i] * r, b[v] += q[i] * r;
-      }
-    for (int v = 0; v < NV; ++v) a[v] += a2[v], b[v] += b2[v];
-  }
+  delta_pass<NV, false, false, true>(S, dk, dv, nullptr, nullptr, 0.f, tok[0].k, tok[0].q, a, b);  // first reads
   float g = 1.f;
   for (int64_t t = 0; t < n; ++t) {
     const DeltaToken& x = tok[t];
@@ -879,37 +888,17 @@ void delta_run(float* S, int64_t c, int64_t dk, int64_t dv, const DeltaToken* to
       w[v] = x.beta * (load(x.v + c + v * LANES) - g2 * a[v]);
       store(o + t * o_stride + v * LANES, g2 * b[v] + x.qk * w[v]);
     }
-    const bool next = t + 1 < n;
-    const bool fold = !next || !(g2 >= DELTA_FOLD_BELOW);
-    if (!fold)
-      for (int v = 0; v < NV; ++v) w[v] *= 1.f / g2;
     // One pass: P updated (folded: times g2), and the next token's reads from the new P.
-    auto pass = [&](auto fold_c, auto next_c) {
-      constexpr bool FOLD = decltype(fold_c)::value, NEXT = decltype(next_c)::value;
-      const float* k = x.k;
-      const float *kn = NEXT ? tok[t + 1].k : nullptr, *qn = NEXT ? tok[t + 1].q : nullptr;
-      vf a2[NV] = {}, b2[NV] = {};
-      for (int v = 0; v < NV; ++v) a[v] = b[v] = vf{};
-      auto row = [&](int64_t i, vf* ra, vf* rb) {
-        for (int v = 0; v < NV; ++v) {
-          float* p = S + i * dv + v * LANES;
-          const vf r = FOLD ? load(p) * g2 + k[i] * w[v] : load(p) + k[i] * w[v];
-          store(p, r);
-          if constexpr (NEXT) ra[v] += kn[i] * r, rb[v] += qn[i] * r;
-        }
-      };
-      int64_t i = 0;
-      for (; i + 2 <= dk; i += 2) row(i, a, b), row(i + 1, a2, b2);
-      for (; i < dk; ++i) row(i, a, b);
-      for (int v = 0; v < NV; ++v) a[v] += a2[v], b[v] += b2[v];
-    };
-    using T_ = std::true_type;
-    using F_ = std::false_type;
-    if (fold)
-      next ? pass(T_{}, T_{}) : pass(T_{}, F_{});
-    else
-      pass(F_{}, T_{});  // not folding means a next token
-    g = fold ? 1.f : g2;
+    if (t + 1 == n) {
+      delta_pass<NV, true, true, false>(S, dk, dv, x.k, w, g2, nullptr, nullptr, a, b);
+    } else if (!(g2 >= DELTA_FOLD_BELOW)) {
+      delta_pass<NV, true, true, true>(S, dk, dv, x.k, w, g2, tok[t + 1].k, tok[t + 1].q, a, b);
+      g = 1.f;
+    } else {
+      for (int v = 0; v < NV; ++v) w[v] *= 1.f / g2;
+      delta_pass<NV, true, false, true>(S, dk, dv, x.k, w, g2, tok[t + 1].k, tok[t + 1].q, a, b);
+      g = g2;
+    }
   }
 }
 
