@@ -260,18 +260,20 @@ def test_weight_rows_are_the_dequantized_rows_bit_for_bit(
     """An embedding lookup on a file's blocks (`QuantizedWeight.rows`; one C++ call for the types
     with a kernel): exactly gguf-py's rows, by the kernel and by the twin."""
     monkeypatch.setattr(native, "disabled", not use_native)
-    V, K = 13, 512
-    file_t = GGMLType.Q4_K if t == GGMLType.Q4_K_R else t
+    V, K = 16 if t == GGMLType.Q4_K_T else 13, 512  # tiled rows come 16 at a time
+    file_t = GGMLType.Q4_K if t in (GGMLType.Q4_K_R, GGMLType.Q4_K_T) else t
     rows = random_rows(block_type(file_t), (V,), K, seed=V)
     w = QuantizedWeight.of(torch.from_numpy(rows), file_t)
     if t == GGMLType.Q4_K_R:
         w = QuantizedWeight(block_fns.repack_q4_k(w.blocks), block_type(t), w.shape)
-    ids = torch.tensor([12, 0, 7, 7])
+    if t == GGMLType.Q4_K_T:
+        w = QuantizedWeight(block_fns.tile_q4_k(w.blocks), block_type(t), w.shape)
+    ids = torch.tensor([12, 0, 7, 7, V - 1])
     want = torch.from_numpy(gguf_dequantize(rows[ids.numpy()], block_type(file_t))).float().view(len(ids), K)
     assert torch.equal(w.rows(ids), want)
     if use_native and native.kernels() is not None and block_type(t).matmul is not None:
-        with pytest.raises(RuntimeError, match="row 13 out of range for 13 rows"):
-            w.rows(torch.tensor([13]))
+        with pytest.raises(RuntimeError, match=f"row {V} out of range for {V} rows"):
+            w.rows(torch.tensor([V]))
 
 
 @needs_native

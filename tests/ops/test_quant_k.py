@@ -336,7 +336,9 @@ def test_native_k_quant_names_what_does_not_match() -> None:
     x, rows = torch.randn(2, 256), torch.zeros(3, 144, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="activations of 512 features need rows of 288 bytes"):
         k_dot.native_k_matmul(torch.randn(2, 512), rows, GGMLType.Q4_K)
-    with pytest.raises(RuntimeError, match=r"14 \(Q6_K\) and 1012 \(Q4_K repacked at load\), not 8"):
+    with pytest.raises(
+        RuntimeError, match=r"14 \(Q6_K\), 1012 \(Q4_K repacked at load\) and 1013 \(Q4_K tiled at load\), not 8"
+    ):
         k_dot.native_k_matmul(x, rows, GGMLType.Q8_0)
     with pytest.raises(RuntimeError, match="isa 'vnni' is not available"):
         k_dot.native_k_matmul(x, rows, GGMLType.Q4_K, "vnni")
@@ -379,3 +381,90 @@ def test_q4_k_is_repacked_for_the_kernels_only_where_they_run(use_native: bool, 
     assert torch.equal(w.dequantize(), QuantizedWeight.of(rows, GGMLType.Q4_K).dequantize())
     q6 = QuantizedWeight.of(torch.from_numpy(weight_rows(GGMLType.Q6_K, 4, 512, seed=1)), GGMLType.Q6_K)
     assert for_kernels(q6) is q6
+
+
+# --- Q4_K tiled by 16 rows at load ----------------------------------------------------------------
+
+
+def test_q4_k_tiles_put_16_rows_side_by_side_and_undo_exactly() -> None:
+    rows = torch.from_numpy(weight_rows(GGMLType.Q4_K, 32, 512, seed=5))
+    t = block_fns.tile_q4_k(rows)
+    assert torch.equal(block_fns.untile_q4_k(t), rows) and not torch.equal(t, rows)
+    b = rows.reshape(2, 16, 2, 144)  # [tile, row, super-block, byte]
+    tile = t.reshape(2, 2, 2304)  # [tile, super-block, byte]
+    assert torch.equal(tile[..., :32].reshape(2, 2, 16, 2), b[..., :2].transpose(1, 2))  # d
+    assert torch.equal(tile[..., 32:64].reshape(2, 2, 16, 2), b[..., 2:4].transpose(1, 2))  # dmin
+    # Group (c, g) of 64 bytes: row r's Q4_K code bytes 32c + 4g .. +3 at 4r.
+    groups = tile[..., 256:].reshape(2, 2, 4, 8, 16, 4)
+    codes = b[..., 16:].reshape(2, 16, 2, 4, 8, 4)
+    for c, g, r in [(0, 0, 0), (3, 7, 15), (1, 5, 9)]:
+        assert torch.equal(groups[:, :, c, g, r], codes[:, r, :, c, g])
+    # Value v of row r (sc_0..7, m_0..7) at bits 6r..6r+5 of its 12 bytes.
+    sc, mn = block_fns.k_scales(b[..., 4:16].reshape(-1, 12))
+    values = torch.cat([sc, mn], -1).view(2, 16, 2, 16)
+    packed = tile[..., 64:256].reshape(2, 2, 16, 12)
+    bits = ((packed[..., None].int() >> torch.arange(8)) & 1).reshape(2, 2, 16, 96)
+    for v, r in [(0, 0), (7, 10), (8, 15), (15, 3)]:
+        got = (bits[:, :, v, 6 * r : 6 * r + 6] << torch.arange(6)).sum(-1)
+        assert torch.equal(got, values[:, r, :, v].int())
+    assert torch.equal(
+        QuantizedWeight(t, block_type(GGMLType.Q4_K_T), (32, 512)).dequantize(),
+        QuantizedWeight.of(rows, GGMLType.Q4_K).dequantize(),
+    )
+    with pytest.raises(ValueError, match="16"):
+        block_fns.tile_q4_k(rows[:20])
+    if native.kernels() is not None:  # the C++ twin that tiles at load
+        assert torch.equal(k_dot.native_tile_q4_k(rows), t)
+        assert torch.equal(k_dot.native_tile_q4_k(t, inverse=True), rows)
+        with pytest.raises(RuntimeError, match="multiple of 16"):
+            k_dot.native_tile_q4_k(rows[:20])
+
+
+# (T, K, N): one row and 2-4 (the rows in registers at once), 5 and 9 (4 + 1, 4 + 4 + 1), 70 (two
+# TILE_T passes), on one and several tiles.
+TILED_SHAPES = [
+    (1, 256, 16),
+    (1, 1024, 48),
+    (2, 512, 32),
+    (3, 768, 16),
+    (4, 256, 32),
+    (5, 512, 16),
+    (9, 256, 48),
+    (70, 256, 32),
+]
+
+
+@pytest.mark.parametrize(("T", "K", "N"), TILED_SHAPES)
+def test_tiled_q4_k_matmul_within_rounding_of_the_emulation(T: int, K: int, N: int) -> None:
+    x = activations(T, K, seed=N)
+    rows = weight_rows(GGMLType.Q4_K, N, K, seed=T)
+    _, want_sums, want = emulate(x.numpy(), rows, GGMLType.Q4_K)
+    w = block_fns.tile_q4_k(torch.from_numpy(rows))
+    xq = k_dot.quantize_rows_q8_k(x)
+    assert np.array_equal(k_dot.superblock_sums(xq, k_dot.split_k(w, GGMLType.Q4_K_T)).numpy(), want_sums)
+    assert_close(k_dot.k_matmul_twin(x, w, GGMLType.Q4_K_T), torch.from_numpy(want), rel=1e-6)
+    if native.kernels() is None:
+        return
+    for isa in k_dot.available_isas():  # "avx2": the 16-lane kernel where this build has it
+        assert np.array_equal(k_dot.native_superblock_sums(xq, w, GGMLType.Q4_K_T, isa).numpy(), want_sums)
+        assert_close(k_dot.native_k_matmul(x, w, GGMLType.Q4_K_T, isa), torch.from_numpy(want), rel=1e-6)
+    parts = k_dot.native_k_matmul_parts(x, [w, torch.from_numpy(rows)], [GGMLType.Q4_K_T, GGMLType.Q4_K])
+    assert_close(parts, torch.from_numpy(np.concatenate([want, want], -1)), rel=1e-6)
+    ids = torch.tensor([N - 1, 0, 17 % N])
+    assert torch.equal(
+        k_dot.native_k_dequantize_rows(w, ids, GGMLType.Q4_K_T),
+        QuantizedWeight.of(torch.from_numpy(rows), GGMLType.Q4_K).dequantize()[ids],
+    )
+
+
+@pytest.mark.skipif(native.kernels() is None, reason="C++ kernels could not be built here")
+def test_q4_k_is_tiled_where_the_16_lane_kernel_runs_and_rows_allow() -> None:
+    rows = torch.from_numpy(weight_rows(GGMLType.Q4_K, 32, 512, seed=2))
+    tiled = "Q4_K_T" if k_dot.native_tiles_q4_k() else "Q4_K_R"
+    assert for_kernels(QuantizedWeight.of(rows, GGMLType.Q4_K)).btype.name == tiled
+    assert for_kernels(QuantizedWeight.of(rows[:24], GGMLType.Q4_K)).btype.name == "Q4_K_R"  # 24 rows
+    assert for_kernels(QuantizedWeight.of(rows, GGMLType.Q4_K), tile=False).btype.name == "Q4_K_R"  # an embedding
+    with pytest.raises(RuntimeError, match="tiled"):
+        k_dot.native_k_experts_matmul(
+            torch.randn(1, 512), k_dot.native_tile_q4_k(rows).view(2, 16, -1), torch.tensor([0]), GGMLType.Q4_K_T
+        )

@@ -49,8 +49,9 @@ using hybridkv::hsum_i32;
 #endif
 
 constexpr int QK_K = 256;
-constexpr int kPrefetch = 4096;
-constexpr int64_t kQ4KR = 1012;  // Q4_K repacked at load (`Q4KR`): hybridkv's id, never in a file  // bytes of weights fetched ahead of the super-block being read
+constexpr int kPrefetch = 4096;  // bytes of weights fetched ahead of the super-block being read
+constexpr int64_t kQ4KR = 1012;  // Q4_K repacked at load (`Q4KR`): hybridkv's id, never in a file
+constexpr int64_t kQ4KT = 1013;  // Q4_K tiled by 16 rows at load (below): the same
 
 enum class Isa { Scalar, Avx2 };
 
@@ -993,9 +994,10 @@ int block_bytes(int64_t ggml_type) {
     case 13: return Q5K::bytes;
     case 14: return Q6K::bytes;
     case kQ4KR: return Q4KR::bytes;
+    case kQ4KT: return Q4K::bytes;
   }
-  TORCH_CHECK(false, "K-quant kernels take ggml types 10 (Q2_K), 11 (Q3_K), 12 (Q4_K), 13 (Q5_K), 14 (Q6_K) and ",
-              kQ4KR, " (Q4_K repacked at load), not ", ggml_type);
+  TORCH_CHECK(false, "K-quant kernels take ggml types 10 (Q2_K), 11 (Q3_K), 12 (Q4_K), 13 (Q5_K), 14 (Q6_K), ",
+              kQ4KR, " (Q4_K repacked at load) and ", kQ4KT, " (Q4_K tiled at load), not ", ggml_type);
   return 0;
 }
 
@@ -1006,6 +1008,7 @@ int64_t check_rows(const at::Tensor& w, int64_t K, int64_t ggml_type, const char
               w.sizes());
   TORCH_CHECK(K % QK_K == 0 && w.size(1) == K / QK_K * bytes, op, ": activations of ", K, " features need rows of ",
               K / QK_K * bytes, " bytes (K a multiple of 256), got ", w.size(1));
+  TORCH_CHECK(ggml_type != kQ4KT || w.size(0) % 16 == 0, op, ": tiled Q4_K rows come 16 at a time, got ", w.size(0));
   return w.size(0);
 }
 
@@ -1450,6 +1453,214 @@ void matmul_impl(const Q8K& xq, const uint8_t* w, int64_t N, float* y, int64_t l
   });
 }
 
+// --- Q4_K tiled by 16 rows (`kQ4KT`) -------------------------------------------------------------
+// The same bytes as 16 Q4_K rows, laid out at load so that the 16-row form needs no transposes:
+// for each super-block b of a tile of rows 16i..16i+15, 2304 bytes:
+//   [0, 32) the 16 rows' d (fp16), [32, 64) their dmin,
+//   [64, 256) 16 values × 12 bytes: value v (sc_v for v < 8, m_{v-8} after) of row r at bits
+//             6r..6r+5 (little-endian across the 12 bytes),
+//   [256, 2304) codes: group (c, g) (c < 4, g < 8) at 256 + 64(8c + g), row r's 4 bytes at +4r:
+//             Q4_K code bytes 32c + 4g .. +3, whose low nibbles are sub-block 2c's weights
+//             4g..4g+3 and high nibbles sub-block 2c+1's.
+// The tensor keeps its shape [N, nb·144] (N a multiple of 16): rows 16i..16i+15 hold tile i, so
+// slices at multiples of 16 rows are tiles too. One 64-byte load is 16 rows × 8 weights, a lane
+// per row: a dpbusd per 4 weights of every row, no unpacking but two masks.
+constexpr int64_t kTileSB = 16 * 144;
+
+// One row's Q4_K block (144 bytes at q) into tile super-block t as row r, or back (`inverse`).
+void tile_block(uint8_t* t, uint8_t* q, int r, bool inverse) {
+  auto move = [&](uint8_t* tile_at, uint8_t* q_at, int n) {
+    if (inverse) std::memcpy(q_at, tile_at, n); else std::memcpy(tile_at, q_at, n);
+  };
+  move(t + 2 * r, q, 2);
+  move(t + 32 + 2 * r, q + 2, 2);
+  for (int c = 0; c < 4; ++c)
+    for (int g = 0; g < 8; ++g) move(t + 256 + 64 * (8 * c + g) + 4 * r, q + 16 + 32 * c + 4 * g, 4);
+  const int bit = 6 * r;
+  if (!inverse) {
+    uint32_t u[4];
+    k4_scales_mins(q + 4, u);
+    const auto* v = reinterpret_cast<const uint8_t*>(u);  // sc_0..7, m_0..7
+    for (int k = 0; k < 16; ++k) {
+      uint8_t* s = t + 64 + 12 * k;
+      for (int i = 0; i < 6; ++i) {
+        const int at = bit + i;
+        s[at / 8] = static_cast<uint8_t>((s[at / 8] & ~(1 << (at % 8))) | (((v[k] >> i) & 1) << (at % 8)));
+      }
+    }
+    return;
+  }
+  uint8_t v[16];
+  for (int k = 0; k < 16; ++k) {
+    const uint8_t* s = t + 64 + 12 * k;
+    v[k] = 0;
+    for (int i = 0; i < 6; ++i) v[k] |= ((s[(bit + i) / 8] >> ((bit + i) % 8)) & 1) << i;
+  }
+  // Q4_K's packing (`get_scale_min_k4` undone): 6-bit sc_j and m_j, j < 4, in bytes j and j + 4,
+  // their j + 4 twins' low nibbles in byte j + 8 and top bits in the bytes' bits 6-7.
+  uint8_t* s = q + 4;
+  for (int j = 0; j < 4; ++j) {
+    s[j] = static_cast<uint8_t>(v[j] | ((v[j + 4] >> 4) << 6));
+    s[j + 4] = static_cast<uint8_t>(v[8 + j] | ((v[8 + j + 4] >> 4) << 6));
+    s[j + 8] = static_cast<uint8_t>((v[j + 4] & 15) | ((v[8 + j + 4] & 15) << 4));
+  }
+}
+
+// Q4_K rows [N, nb·144] (N a multiple of 16) → tiled (a copy), or back (`inverse`).
+at::Tensor tile_q4_k(const at::Tensor& rows_in, bool inverse) {
+  TORCH_CHECK(rows_in.scalar_type() == at::kByte && rows_in.dim() == 2 && rows_in.size(0) % 16 == 0 &&
+                  rows_in.size(1) % 144 == 0,
+              "kq_tile_q4_k: rows must be uint8 [N, nb * 144] with N a multiple of 16, got ", rows_in.scalar_type(), " ",
+              rows_in.sizes());
+  const at::Tensor rows = rows_in.contiguous();
+  at::Tensor out = at::empty_like(rows);
+  const int64_t nb = rows.size(1) / 144, tiles = rows.size(0) / 16;
+  uint8_t* src = rows.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, tiles * nb, 64, [&](int64_t i0, int64_t i1) {
+    uint8_t block[144];
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t tile = i / nb, b = i % nb;
+      for (int r = 0; r < 16; ++r) {
+        const int64_t q_at = ((tile * 16 + r) * nb + b) * 144, t_at = i * kTileSB;
+        if (inverse) {
+          tile_block(src + t_at, block, r, true);
+          std::memcpy(dst + q_at, block, 144);
+        } else {
+          std::memcpy(block, src + q_at, 144);
+          tile_block(dst + t_at, block, r, false);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// Row `row`'s Q4_K block b from tiled rows w (nb super-blocks a row) into q.
+inline void untiled_block(const uint8_t* w, int64_t nb, int64_t row, int64_t b, uint8_t* q) {
+  tile_block(const_cast<uint8_t*>(w + ((row / 16) * nb + b) * kTileSB), q, static_cast<int>(row % 16), true);
+}
+
+#if defined(HYBRIDKV_ZMM) && defined(__AVX512VBMI__)
+#define HYBRIDKV_TILED 1
+// The 16 rows' 6-bit value at v (12 bytes; the 16-byte load stays inside the super-block) as i32 lanes.
+ALWAYS_INLINE __m512i tile_value(const uint8_t* v) {
+  // qword 0 = bytes 0-7 (rows 0-7 at bits 6r), qword 1 = bytes 4-11 (rows 8-15 at bits 6r - 32)
+  const __m128i x = _mm_shuffle_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v)), 0x94);
+  const __m128i at = _mm_setr_epi8(0, 6, 12, 18, 24, 30, 36, 42, 16, 22, 28, 34, 40, 46, 52, 58);
+  return _mm512_cvtepu8_epi32(_mm_and_si128(_mm_multishift_epi64_epi8(at, x), _mm_set1_epi8(63)));
+}
+
+inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// A tiled super-block's scales in lanes, decoded once for all the activation rows that meet it:
+// the sub-blocks' scales (the even ones times 16: their codes are the low nibbles, the odd ones'
+// high nibbles are taken as they lie, 16 × the code), the mins in i16 pairs (m_2j, m_2j+1), d/16
+// and dmin.
+struct TileScales {
+  __m512i sc[8], mins[4];
+  __m512 d16, dmin;
+  ALWAYS_INLINE explicit TileScales(const uint8_t* tb) {
+    for (int s = 0; s < 8; ++s) sc[s] = tile_value(tb + 64 + 12 * s);
+    for (int s = 0; s < 8; s += 2) sc[s] = _mm512_slli_epi32(sc[s], 4);
+    for (int j = 0; j < 4; ++j)
+      mins[j] = _mm512_or_si512(tile_value(tb + 64 + 12 * (8 + 2 * j)),
+                                _mm512_slli_epi32(tile_value(tb + 64 + 12 * (9 + 2 * j)), 16));
+    d16 = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb))), _mm512_set1_ps(1.f / 16));
+    dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb + 32)));
+  }
+};
+
+// G activation rows (a[t]: this super-block's 256 codes; xpair[t]: its sub-block sums in i16 pairs;
+// dx[t]) against one tiled super-block of 16 rows: acc[t] (lane r: row r) += d·dx·S − dmin·dx·M,
+// S taken 16 times and d/16 undoing it, exactly (a power of two; |16·S| < 2^31).
+template <int G>
+ALWAYS_INLINE void tiled_superblock(const uint8_t* tb, const TileScales& k, const int8_t* const* a,
+                                    const int32_t* const* xpair, const float* dx, __m512* acc) {
+  const __m512i low = _mm512_set1_epi8(15), high = _mm512_set1_epi8(static_cast<char>(0xF0));
+  __m512i S[G], M[G];
+  for (int t = 0; t < G; ++t) S[t] = M[t] = _mm512_setzero_si512();
+  for (int c = 0; c < 4; ++c) {
+    __m512i lo[G], hi[G];
+    for (int t = 0; t < G; ++t) lo[t] = hi[t] = _mm512_setzero_si512();
+    for (int g = 0; g < 8; ++g) {
+      const __m512i codes = _mm512_loadu_si512(tb + 256 + 64 * (8 * c + g));
+      const __m512i cl = _mm512_and_si512(codes, low), ch = _mm512_and_si512(codes, high);
+      for (int t = 0; t < G; ++t) {
+        lo[t] = _mm512_dpbusd_epi32(lo[t], cl, _mm512_set1_epi32(load_i32(a[t] + 64 * c + 4 * g)));
+        hi[t] = _mm512_dpbusd_epi32(hi[t], ch, _mm512_set1_epi32(load_i32(a[t] + 64 * c + 32 + 4 * g)));
+      }
+    }
+    for (int t = 0; t < G; ++t)
+      S[t] = _mm512_add_epi32(S[t], _mm512_add_epi32(_mm512_mullo_epi32(lo[t], k.sc[2 * c]),
+                                                     _mm512_mullo_epi32(hi[t], k.sc[2 * c + 1])));
+  }
+  for (int t = 0; t < G; ++t) {
+    for (int j = 0; j < 4; ++j) M[t] = _mm512_dpwssd_epi32(M[t], k.mins[j], _mm512_set1_epi32(xpair[t][j]));
+    const __m512 x = _mm512_set1_ps(dx[t]);
+    acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(k.d16, x), _mm512_cvtepi32_ps(S[t]), acc[t]);
+    acc[t] = _mm512_fnmadd_ps(_mm512_mul_ps(k.dmin, x), _mm512_cvtepi32_ps(M[t]), acc[t]);
+  }
+}
+
+// y [T, ldy] (columns 0..N) = x @ W.T for tiled rows w: threads split the tiles, each tile's
+// super-blocks met by TILE_T activation rows at a time, 4 in registers at once.
+void tiled_matmul(const Q8K& xq, const uint8_t* w, int64_t N, float* y, int64_t ldy) {
+  const int64_t T = xq.T, nb = xq.K / QK_K;
+  // Each sub-block pair's activation sums (|sum| <= 32·128) as one i32: the even one's in the low
+  // 16 bits, the odd one's in the high (`_mm512_dpwssd_epi32`'s pairs).
+  std::vector<int32_t> xpair(T * nb * 4);
+  for (int64_t i = 0; i < T * nb * 4; ++i) {
+    const int16_t* bs = xq.bsums + 4 * i;
+    const uint32_t even = static_cast<uint16_t>(bs[0] + bs[1]), odd = static_cast<uint16_t>(bs[2] + bs[3]);
+    xpair[i] = static_cast<int32_t>(even | (odd << 16));
+  }
+  hybridkv::claimed_for(N / 16, hybridkv::claim_items(nb * kTileSB, 1), [&](int64_t i0, int64_t i1) {
+    __m512 acc[TILE_T];
+    const int8_t* a[4];
+    const int32_t* xp[4];
+    float dx[4];
+    for (int64_t i = i0; i < i1; ++i) {
+      const uint8_t* tw = w + i * nb * kTileSB;
+      for (int64_t t0 = 0; t0 < T; t0 += TILE_T) {
+        const int64_t n = std::min(TILE_T, T - t0);
+        for (int64_t t = 0; t < n; ++t) acc[t] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nb; ++b) {
+          const uint8_t* tb = tw + b * kTileSB;
+          // Many rows hold a tile long: its successor's super-block is fetched meanwhile.
+          if (t0 == 0 && n > 4 && i + 1 < N / 16)
+            for (int64_t line = 0; line < kTileSB; line += 64)
+              _mm_prefetch(reinterpret_cast<const char*>(tb + nb * kTileSB + line), _MM_HINT_T1);
+          const TileScales k(tb);
+          for (int64_t t = 0; t < n; t += 4) {
+            const int take = static_cast<int>(std::min<int64_t>(4, n - t));
+            for (int j = 0; j < take; ++j) {
+              const int64_t row = t0 + t + j;
+              a[j] = xq.q + row * xq.K + b * QK_K, xp[j] = &xpair[(row * nb + b) * 4], dx[j] = xq.d[row * nb + b];
+            }
+            switch (take) {
+              case 4: tiled_superblock<4>(tb, k, a, xp, dx, acc + t); break;
+              case 3: tiled_superblock<3>(tb, k, a, xp, dx, acc + t); break;
+              case 2: tiled_superblock<2>(tb, k, a, xp, dx, acc + t); break;
+              default: tiled_superblock<1>(tb, k, a, xp, dx, acc + t); break;
+            }
+          }
+        }
+        for (int64_t t = 0; t < n; ++t) _mm512_storeu_ps(y + (t0 + t) * ldy + 16 * i, acc[t]);
+      }
+    }
+  });
+}
+#endif
+
+// Tiled rows back to Q4_K (a copy) for the paths without the tiled kernel: the scalar code path,
+// builds without AVX-512 VBMI and VNNI, and the sums the tests read.
+at::Tensor untiled(const at::Tensor& w) { return tile_q4_k(w, true); }
+
 // One super-block of Q4_K, Q4_K_R or Q5_K → 256 float32 weights: (d·sc_j)·q − dmin·m_j, as
 // `blocks.q4_k` and gguf-py compute it. d·sc_j has at most 11 + 6 significant bits and q 5, so
 // (d·sc_j)·q is exact in float32 and a fused multiply-add rounds the difference alike.
@@ -1527,6 +1738,12 @@ at::Tensor kq_dequantize_rows(const at::Tensor& w, const at::Tensor& ids_in, int
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* blk = wp + (id[b / nb] * nb + b % nb) * bytes;
       float* dst = op + b * QK_K;
+      if (ggml_type == kQ4KT) {
+        uint8_t q[144];
+        untiled_block(wp, nb, id[b / nb], b % nb, q);
+        dequantize_k4<Q4K>(q, dst);
+        continue;
+      }
       switch (ggml_type) {
         case 10: dequantize_q2k(blk, dst); break;
         case 11: dequantize_q3k(blk, dst); break;
@@ -1546,6 +1763,7 @@ at::Tensor kq_superblock_sums(const at::Tensor& q_in, const at::Tensor& bsums_in
   TORCH_CHECK(q_in.scalar_type() == at::kChar && q_in.dim() == 2, "kq_superblock_sums: q must be int8 [T, K]");
   const at::Tensor q = q_in.contiguous(), bsums = bsums_in.to(at::kShort).contiguous();
   const int64_t T = q.size(0), K = q.size(1), N = check_rows(w, K, ggml_type, "kq_superblock_sums");
+  if (ggml_type == kQ4KT) return kq_superblock_sums(q, bsums, untiled(w), 12, isa);
   TORCH_CHECK(bsums.numel() == T * K / 16, "kq_superblock_sums: bsums must be [T, K/16]");
   const Isa path = parse_isa(isa);
   at::Tensor out = at::empty({T, N, K / QK_K, 2}, q.options().dtype(at::kInt));
@@ -1565,6 +1783,12 @@ at::Tensor kq_superblock_sums(const at::Tensor& q_in, const at::Tensor& bsums_in
 
 // y[:, 0:N) of a [T, ldy] output = x @ W.T for K-quant rows w [N, ·] of `ggml_type`, x already quantized.
 void matmul_into(const Q8K& xq, const at::Tensor& w, int64_t N, int64_t ggml_type, Isa path, float* y, int64_t ldy) {
+  if (ggml_type == kQ4KT) {
+#ifdef HYBRIDKV_TILED
+    if (path == Isa::Avx2) return tiled_matmul(xq, w.data_ptr<uint8_t>(), N, y, ldy);
+#endif
+    return matmul_into(xq, untiled(w), N, 12, path, y, ldy);
+  }
   const auto args = std::make_tuple(std::cref(xq), w.data_ptr<uint8_t>(), N, y, ldy);
   const bool avx2 = path == Isa::Avx2;
   switch (ggml_type) {
@@ -1696,6 +1920,7 @@ at::Tensor kq_experts_matmul(const at::Tensor& x, const at::Tensor& w, const at:
   TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous(),
               "kq_experts_matmul: x must be [P, K] and w contiguous uint8 [E, N, row_bytes]");
   const int64_t P = x.size(0), K = x.size(1), E = w.size(0), N = w.size(1);
+  TORCH_CHECK(ggml_type != kQ4KT, "kq_experts_matmul: experts are not tiled (type ", kQ4KT, ")");
   const int bytes = block_bytes(ggml_type);
   TORCH_CHECK(K % QK_K == 0 && w.size(2) == K / QK_K * bytes, "kq_experts_matmul: activations of ", K,
               " features need rows of ", K / QK_K * bytes, " bytes, got ", w.size(2));
@@ -1741,6 +1966,14 @@ at::Tensor kq_repack_q4_k(const at::Tensor& rows_in, bool inverse) {
   return out;
 }
 
+bool kq_tiled() {
+#ifdef HYBRIDKV_TILED
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 namespace hybridkv::ops {  // for layer.cpp (ops.h)
@@ -1762,6 +1995,8 @@ TORCH_LIBRARY_FRAGMENT(hybridkv, m) {
   m.def("kq_matmul_parts(Tensor x, Tensor[] ws, int[] types, str isa) -> Tensor");
   m.def("kq_dequantize_rows(Tensor w, Tensor ids, int ggml_type) -> Tensor");
   m.def("kq_repack_q4_k(Tensor rows, bool inverse) -> Tensor");
+  m.def("kq_tile_q4_k(Tensor rows, bool inverse) -> Tensor");
+  m.def("kq_tiled() -> bool", kq_tiled);  // whether this build has the tiled kernel
 }
 
 TORCH_LIBRARY_IMPL(hybridkv, CPU, m) {
@@ -1772,4 +2007,5 @@ TORCH_LIBRARY_IMPL(hybridkv, CPU, m) {
   m.impl("kq_dequantize_rows", kq_dequantize_rows);
   m.impl("kq_experts_matmul", kq_experts_matmul);
   m.impl("kq_repack_q4_k", kq_repack_q4_k);
+  m.impl("kq_tile_q4_k", tile_q4_k);
 }

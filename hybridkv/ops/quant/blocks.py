@@ -243,6 +243,59 @@ def q4_k_r(blocks: torch.Tensor) -> torch.Tensor:
     return q4_k(unrepack_q4_k(blocks))
 
 
+def _k_pack_scales(sc: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
+    """`k_scales` undone: 6-bit (scale, min) [B, 8] each → Q4_K's 12 scale bytes [B, 12]."""
+    lo = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    hi = mn[:, :4] | ((mn[:, 4:] >> 4) << 6)
+    rest = (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)
+    return torch.cat([lo, hi, rest], dim=-1)
+
+
+def _tiles(rows: torch.Tensor) -> tuple[int, int]:
+    """(tiles, super-blocks a row) of Q4_K rows [N, nb·144] taken 16 at a time; ValueError otherwise."""
+    if rows.dim() != 2 or rows.shape[0] % 16 or rows.shape[1] % 144:
+        raise ValueError(f"Q4_K rows tile 16 at a time: need uint8 [16·n, nb·144], got {tuple(rows.shape)}")
+    return rows.shape[0] // 16, rows.shape[1] // 144
+
+
+def tile_q4_k(rows: torch.Tensor) -> torch.Tensor:
+    """Q4_K rows uint8 [N, nb·144] (N a multiple of 16) → the same bytes tiled by 16 rows for the
+    16-lane kernel (`csrc/kquant.cpp`, `kQ4KT`): per tile and super-block, 2304 bytes: the 16 rows'
+    d, then their dmin (fp16 each), then 16 values (sc_0..7, m_0..7) of 12 bytes, row r's 6 bits at
+    bits 6r..6r+5, then 32 groups (c, g) of 64 bytes, row r's Q4_K code bytes 32c + 4g .. +3 at 4r."""
+    tiles, nb = _tiles(rows)
+    b = rows.reshape(tiles, 16, nb, 144).transpose(1, 2).reshape(-1, 144)  # [tiles·nb·16, 144]
+    sc, mn = k_scales(b[:, 4:16])
+    values = torch.cat([sc, mn], dim=-1).view(-1, 16, 16).transpose(1, 2)  # [tiles·nb, value, row]
+    bits = _BYTE_BITS.index_select(0, values.reshape(-1).int())[:, :6].reshape(-1, 16, 96)
+    packed = (bits.view(-1, 16, 12, 8).int() << torch.arange(8)).sum(-1).to(torch.uint8)
+    b = b.view(-1, 16, 144)
+    codes = b[:, :, 16:].reshape(-1, 16, 4, 8, 4).permute(0, 2, 3, 1, 4)  # [.., c, g, row, 4]
+    tile = torch.cat(
+        [b[:, :, 0:2].reshape(-1, 32), b[:, :, 2:4].reshape(-1, 32), packed.reshape(-1, 192), codes.reshape(-1, 2048)],
+        dim=-1,
+    )
+    return tile.reshape(rows.shape)
+
+
+def untile_q4_k(rows: torch.Tensor) -> torch.Tensor:
+    """`tile_q4_k` undone: the Q4_K rows, byte for byte."""
+    tiles, nb = _tiles(rows)
+    t = rows.reshape(-1, 2304)
+    d, dmin = t[:, 0:32].reshape(-1, 16, 2), t[:, 32:64].reshape(-1, 16, 2)
+    bits = _BYTE_BITS.index_select(0, t[:, 64:256].reshape(-1).int()).view(-1, 16, 16, 6)  # [.., value, row, bit]
+    values = (bits.int() << torch.arange(6)).sum(-1).to(torch.uint8).transpose(1, 2).reshape(-1, 16)
+    scales = _k_pack_scales(values[:, :8], values[:, 8:]).view(-1, 16, 12)
+    codes = t[:, 256:].reshape(-1, 4, 8, 16, 4).permute(0, 3, 1, 2, 4).reshape(-1, 16, 128)
+    b = torch.cat([d, dmin, scales, codes], dim=-1)  # [tiles·nb, row, 144]
+    return b.view(tiles, nb, 16, 144).transpose(1, 2).reshape(rows.shape)
+
+
+def q4_k_t(blocks: torch.Tensor) -> torch.Tensor:
+    """Tiled Q4_K blocks cannot be read a block at a time: `traits.dequantize` untiles whole rows."""
+    raise ValueError("Q4_K_T blocks are tiled across 16 rows: dequantize them as rows (traits.dequantize)")
+
+
 def q5_k(blocks: torch.Tensor) -> torch.Tensor:
     """As Q4_K with qh[32] before qs: 5-bit q."""
     return _k_affine(blocks, q5_k_codes(blocks))

@@ -40,7 +40,8 @@ class KType(NamedTuple):
     n_sub: int  # sub-blocks per super-block, each of 256/n_sub weights
 
 
-# Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, and Q4_K repacked at load (`blocks.repack_q4_k`; hybridkv's id, not ggml's)
+# Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, and Q4_K repacked or tiled at load (`blocks.repack_q4_k`,
+# `blocks.tile_q4_k`; hybridkv's ids, not ggml's)
 K_TYPES = {
     10: KType(10, 84, 16),
     11: KType(11, 110, 16),
@@ -48,8 +49,10 @@ K_TYPES = {
     13: KType(13, 176, 8),
     14: KType(14, 210, 16),
     1012: KType(1012, 144, 8),
+    1013: KType(1013, 144, 8),
 }
 Q4_K_R = 1012
+Q4_K_T = 1013
 
 
 class Q8KRows(NamedTuple):
@@ -94,6 +97,8 @@ def split_k(rows: torch.Tensor, ggml_id: int) -> KRows:
     """K-quant rows uint8 [N, nb·block_bytes] → their codes, scales, mins and d's."""
     if ggml_id == Q4_K_R:
         rows, ggml_id = blocks.unrepack_q4_k(rows), 12
+    if ggml_id == Q4_K_T:
+        rows, ggml_id = blocks.untile_q4_k(rows), 12
     kt = K_TYPES[ggml_id]
     N = rows.shape[0]
     b = rows.reshape(-1, kt.block_bytes)
@@ -214,6 +219,16 @@ def k_matmul(ggml_id: int) -> MatmulFn:
 def native_repack_q4_k(rows: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """`blocks.repack_q4_k` (or `unrepack_q4_k`, inverse) by the C++ kernel: the same bytes, ~10x faster."""
     return _ops().kq_repack_q4_k(rows, inverse)
+
+
+def native_tile_q4_k(rows: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """`blocks.tile_q4_k` (or `untile_q4_k`, inverse) by the C++ kernel: the same bytes."""
+    return _ops().kq_tile_q4_k(rows, inverse)
+
+
+def native_tiles_q4_k() -> bool:
+    """Whether the C++ kernels have the 16-lane product on tiled Q4_K (AVX-512 VNNI and VBMI)."""
+    return bool(_ops().kq_tiled())
 
 
 def native_k_experts_matmul(

@@ -56,6 +56,9 @@ class GGMLType(IntEnum):
     # hybridkv's own, never in a file: Q4_K with its code bytes repacked at load for the one-row
     # kernel (`blocks.repack_q4_k`).
     Q4_K_R = 1012
+    # Q4_K tiled by 16 rows at load for the 16-lane kernel (`blocks.tile_q4_k`): 2-D weights whose
+    # row count is a multiple of 16, on CPUs with AVX-512 VNNI and VBMI.
+    Q4_K_T = 1013
 
 
 BlockFn = Callable[[torch.Tensor], torch.Tensor]
@@ -118,10 +121,11 @@ TRAITS: dict[GGMLType, BlockType] = {
         BlockType(_T.Q5_K, 256, 176, blocks.q5_k, _T.Q8_K, k_dot.k_matmul(_T.Q5_K)),
         BlockType(_T.Q6_K, 256, 210, blocks.q6_k, _T.Q8_K, k_dot.k_matmul(_T.Q6_K)),
         BlockType(_T.Q4_K_R, 256, 144, blocks.q4_k_r, _T.Q8_K, k_dot.k_matmul(_T.Q4_K_R)),
+        BlockType(_T.Q4_K_T, 256, 144, blocks.q4_k_t, _T.Q8_K, k_dot.k_matmul(_T.Q4_K_T)),
     )
 }
 # Types that exist only in memory: never read from or written to a file.
-IN_MEMORY = frozenset({GGMLType.Q4_K_R})
+IN_MEMORY = frozenset({GGMLType.Q4_K_R, GGMLType.Q4_K_T})
 
 
 class UnsupportedTypeError(ValueError):
@@ -152,6 +156,8 @@ def dequantize(rows: torch.Tensor, type_id: int | GGMLType, out: torch.Tensor | 
     t = block_type(type_id)
     if rows.dtype != torch.uint8:
         raise TypeError(f"{t.name} rows must be uint8 block bytes, not {rows.dtype}")
+    if t.ggml_type == GGMLType.Q4_K_T:  # whole tiles of 16 rows: untiled first
+        return dequantize(blocks.untile_q4_k(rows), GGMLType.Q4_K, out)
     *lead, row_bytes = rows.shape
     row_elems = t.row_elems(row_bytes)
     if out is None and t.ggml_type == GGMLType.F32:

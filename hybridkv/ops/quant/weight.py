@@ -7,8 +7,14 @@ from dataclasses import dataclass
 import torch
 
 from hybridkv.ops import native
+from hybridkv.ops.quant.blocks import untile_q4_k
 from hybridkv.ops.quant.int8_dot import FEW_ROWS, native_q8_dequantize_rows
-from hybridkv.ops.quant.k_dot import native_k_dequantize_rows, native_repack_q4_k
+from hybridkv.ops.quant.k_dot import (
+    native_k_dequantize_rows,
+    native_repack_q4_k,
+    native_tile_q4_k,
+    native_tiles_q4_k,
+)
 from hybridkv.ops.quant.traits import BlockType, GGMLType, block_type, dequantize
 
 
@@ -77,6 +83,8 @@ class QuantizedWeight:
             if t.vec_dot_type == GGMLType.Q8_K:  # the K-quants
                 return native_k_dequantize_rows(blocks, ids, int(t.ggml_type))
             return native_q8_dequantize_rows(blocks, ids, int(t.ggml_type))  # the 32-weight types
+        if t.ggml_type == GGMLType.Q4_K_T:  # rows interleaved 16 at a time: looked up once untiled
+            t, blocks = block_type(GGMLType.Q4_K), untile_q4_k(blocks)
         picked = QuantizedWeight(blocks.index_select(0, ids), t, (ids.shape[0], *self.shape[1:]))
         return picked.dequantize()
 
@@ -95,11 +103,16 @@ class QuantizedWeight:
         return self.reference_matmul(x)
 
 
-def for_kernels(w: QuantizedWeight) -> QuantizedWeight:
+def for_kernels(w: QuantizedWeight, tile: bool = True) -> QuantizedWeight:
     """w in the form the C++ kernels read fastest where they run: Q4_K with its code bytes repacked
     (`blocks.repack_q4_k`, by its C++ twin; a copy, so the caller releases the file's pages), the
     one-row product then taking each sub-block's scale per vector lane (Zen 4, 2 threads: 1.1-1.5x
-    from the caches, 1.07-1.17x from memory). Anything else, or without the kernels: w itself."""
+    from the caches, 1.07-1.17x from memory); or, with `tile`, a 2-D weight of 16·n rows on a CPU
+    with the 16-lane kernel (AVX-512 VNNI and VBMI), tiled by 16 rows (`blocks.tile_q4_k`): each
+    64-byte load then 8 weights of 16 rows, no unpacking. Anything else, or without the kernels: w
+    itself. An embedding keeps whole rows (`tile=False`): its lookups read single rows."""
     if w.btype.ggml_type != GGMLType.Q4_K or not native.enabled():
         return w
+    if tile and len(w.shape) == 2 and w.shape[0] % 16 == 0 and native_tiles_q4_k():
+        return QuantizedWeight(native_tile_q4_k(w.blocks), block_type(GGMLType.Q4_K_T), w.shape)
     return QuantizedWeight(native_repack_q4_k(w.blocks), block_type(GGMLType.Q4_K_R), w.shape)
