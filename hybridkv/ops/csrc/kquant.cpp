@@ -1467,7 +1467,8 @@ void matmul_impl(const Q8K& xq, const uint8_t* w, int64_t N, float* y, int64_t l
 // per row: a dpbusd per 4 weights of every row, no unpacking but two masks.
 constexpr int64_t kTileSB = 16 * 144;
 
-// One row's Q4_K block (144 bytes at q) into tile super-block t as row r, or back (`inverse`).
+// One row's Q4_K block (144 bytes at q) into tile super-block t as row r (whose scale bits start
+// at zero), or back (`inverse`).
 void tile_block(uint8_t* t, uint8_t* q, int r, bool inverse) {
   auto move = [&](uint8_t* tile_at, uint8_t* q_at, int n) {
     if (inverse) std::memcpy(q_at, tile_at, n); else std::memcpy(tile_at, q_at, n);
@@ -1483,10 +1484,7 @@ void tile_block(uint8_t* t, uint8_t* q, int r, bool inverse) {
     const auto* v = reinterpret_cast<const uint8_t*>(u);  // sc_0..7, m_0..7
     for (int k = 0; k < 16; ++k) {
       uint8_t* s = t + 64 + 12 * k;
-      for (int i = 0; i < 6; ++i) {
-        const int at = bit + i;
-        s[at / 8] = static_cast<uint8_t>((s[at / 8] & ~(1 << (at % 8))) | (((v[k] >> i) & 1) << (at % 8)));
-      }
+      for (int i = 0; i < 6; ++i) s[(bit + i) / 8] |= static_cast<uint8_t>(((v[k] >> i) & 1) << ((bit + i) % 8));
     }
     return;
   }
@@ -1513,7 +1511,7 @@ at::Tensor tile_q4_k(const at::Tensor& rows_in, bool inverse) {
               "kq_tile_q4_k: rows must be uint8 [N, nb * 144] with N a multiple of 16, got ", rows_in.scalar_type(), " ",
               rows_in.sizes());
   const at::Tensor rows = rows_in.contiguous();
-  at::Tensor out = at::empty_like(rows);
+  at::Tensor out = inverse ? at::empty_like(rows) : at::zeros_like(rows);  // tiles: scale bits OR-ed in
   const int64_t nb = rows.size(1) / 144, tiles = rows.size(0) / 16;
   uint8_t* src = rows.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
