@@ -52,6 +52,15 @@ if TYPE_CHECKING:
     from hybridkv.models.mtp import MTPBlock, MTPHidden
 
 
+# A forward of up to this many tokens whose layers are dense with block-quantized projections
+# runs them in C++ (`native.decode_layer`: attention read from the paged pools in place, no
+# gather, no Python between the kernels), as a decode step does up to FEW_ROWS. A 56-token chat
+# turn on the 0.8B shape's Q4_K_M file: 1.03-1.06x against op by op (48 and 64 tokens alike, 100
+# even, 200 0.98x: there SDPA's attention is the faster). Float projections keep FEW_ROWS: past
+# it their products go to MKL either way.
+CHUNK_ROWS = 64
+
+
 def _weight(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     # Uninitialised: every parameter is overwritten by load_weights.
     return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
@@ -169,10 +178,13 @@ class GatedAttention(nn.Module):
         self.k_norm = RMSNorm(self.hd, c.rms_norm_eps)
         self.o_proj: Weight = _weight(self.H * self.hd, c.hidden_size, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor, rows: int = FEW_ROWS
+    ) -> torch.Tensor:
         qkv = linear(x, self.qkv_proj)
-        if batch.num_tokens <= FEW_ROWS and native.enabled(qkv, self.q_norm.weight, self.k_norm.weight):
-            # Decode steps, verifies and short chunks: each token attends as a decode step does.
+        if batch.num_tokens <= rows and native.enabled(qkv, self.q_norm.weight, self.k_norm.weight):
+            # Decode steps, verifies and short chunks (up to `rows`: CHUNK_ROWS where the layers
+            # run as `forward_normed`): each token attends as a decode step does.
             tables, kv_lens = batch.token_tables()
             o = native.attention_decode(
                 qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin, batch.kv_pools(self.index),
@@ -292,7 +304,7 @@ class DecoderLayer(nn.Module):
         if plan is not None and x.shape[0] <= plan.max_tokens:
             h, n = native.decode_layer(x, normed, plan.weights, plan.ints, plan.scalars, self._step(batch, cos, sin))
             return (h, n) if plan.with_ffn else next_norm.add(h, self.ffn(n))
-        h, n = self.post_norm.add(x, self.mix(normed, batch, cos, sin))
+        h, n = self.post_norm.add(x, self.mix(normed, batch, cos, sin, CHUNK_ROWS))
         return next_norm.add(h, self.ffn(n))
 
     def native_plan(self, next_norm: RMSNorm) -> NativePlan | None:
@@ -313,10 +325,13 @@ class DecoderLayer(nn.Module):
             return [*pools, batch.state_slots, batch.cu_seqlens, batch.snapshot_at, batch.snapshot_ids]
         return [cos, sin, *batch.kv_pools(m.index), batch.slot_mapping, *batch.token_tables()]
 
-    def mix(self, normed: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def mix(
+        self, normed: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor, rows: int = FEW_ROWS
+    ) -> torch.Tensor:
+        """The mixer's output; an attention's tokens attend as decode steps do up to `rows`."""
         if isinstance(self.mixer, GatedDeltaNet):
             return self.mixer(normed, batch)
-        return self.mixer(normed, batch, cos, sin)
+        return self.mixer(normed, batch, cos, sin, rows)
 
 
 # `csrc/layer.cpp`'s layer kinds
@@ -339,7 +354,7 @@ class NativePlan:
     ints: list[int] = field(default_factory=list)
     scalars: list[float] = field(default_factory=list)
     with_ffn: bool = False  # the call runs the feed-forward and next norm too (else the caller does)
-    max_tokens: int = FEW_ROWS  # forwards of more tokens run op by op
+    max_tokens: int = FEW_ROWS  # forwards of more tokens run op by op (CHUNK_ROWS if block-quantized)
 
     def current(self) -> bool:
         """Whether every module and weight it read is still in place (C-level loops: a decode step
@@ -383,11 +398,15 @@ def _build_plan(layer: DecoderLayer, next_norm: RMSNorm) -> NativePlan:
     def plan_of(w: Weight | QuantExperts) -> tuple[list[torch.Tensor], list[int]] | None:
         return w.native_plan() if isinstance(w, QuantExperts) else native_plan(w)
 
+    floats = False  # whether some projection is a float tensor
+
     def add(*parts: Weight | QuantExperts) -> bool:  # projections and experts, each one kernel
+        nonlocal floats
         for w in parts:
             plan = plan_of(w)
             if plan is None:
                 return False
+            floats = floats or isinstance(w, torch.Tensor)
             weights.extend(plan[0])
             ints.extend(plan[1])
         return True
@@ -418,18 +437,20 @@ def _build_plan(layer: DecoderLayer, next_norm: RMSNorm) -> NativePlan:
         scalars = [m.q_norm.eps, m.scale]
     weights.append(layer.post_norm.weight)
     scalars.append(layer.post_norm.eps)
-    max_tokens = FEW_ROWS
     if isinstance(f, DenseMLP) and dense:
         add(f.gate_up, f.down)
     elif isinstance(f, SparseMoE) and moe:
         ints += [f.top_k, int(f.norm_topk_prob)]
         weights += [cast(torch.Tensor, w) for w in (f.gate_in, f.gate_up, f.down, f.shared_down)]
     elif isinstance(f, SparseMoE) and block_moe:
-        # `moe.routed_experts` takes every (token, expert) pair in one call per part up to PAIRS_ROWS
         ints += [f.top_k, int(f.norm_topk_prob), f.E]
         add(f.gate_in, f.gate_up, f.down, f.shared_down)
-        max_tokens = min(FEW_ROWS, PAIRS_ROWS // f.top_k)
     with_ffn = dense or moe or block_moe
+    # CHUNK_ROWS for dense layers of block-quantized projections only: past FEW_ROWS tokens an
+    # expert layer's Python routes its (token, expert) pairs by another path than the C++ one
+    max_tokens = CHUNK_ROWS if dense and not floats else FEW_ROWS
+    if isinstance(f, SparseMoE) and block_moe:  # every pair in one call per part (PAIRS_ROWS)
+        max_tokens = min(max_tokens, PAIRS_ROWS // f.top_k)
     if with_ffn:
         weights.append(next_norm.weight)
         scalars.append(next_norm.eps)
@@ -484,11 +505,11 @@ class Qwen3NextModel(nn.Module):
             # keep the activations float32 rather than cast them down and back up around every call.
             x = x.float()
         cos, sin = self.rope(batch.positions, x.dtype)
-        if batch.num_tokens <= FEW_ROWS and len(self.layers) > 0 and native.enabled(x):
-            # A decode step or a verify (the norms' kernel range): each residual add taken with the
-            # norm after it (the next layer's input norm; the final norm after the last layer), half
-            # the per-layer ops around the kernels.
-            layers = cast(list[DecoderLayer], list(self.layers))
+        layers = cast(list[DecoderLayer], list(self.layers))
+        if len(layers) > 0 and batch.num_tokens <= self._native_rows(layers) and native.enabled(x):
+            # A decode step, a verify or (block-quantized, `CHUNK_ROWS`) a short chunk: each
+            # residual add taken with the norm after it (the next layer's input norm; the final
+            # norm after the last layer), half the per-layer ops around the kernels.
             normed = layers[0].input_norm(x)
             stack = self._native_stack(layers, x)
             if stack is not None:  # every layer in one call
@@ -511,6 +532,17 @@ class Qwen3NextModel(nn.Module):
         if logits_indices is not None:
             normed = normed.index_select(0, logits_indices)
         return self.head(normed)
+
+    def _native_rows(self, layers: list[DecoderLayer]) -> int:
+        """The most tokens a forward runs layer by layer as `forward_normed` (each layer one
+        `native.decode_layer` call where its plan allows): FEW_ROWS, or up to CHUNK_ROWS where every
+        layer's plan takes that many (block-quantized projections); the same whether or not the
+        layers then run fused, so `layers_op_by_op()` computes the same numbers."""
+        rows = CHUNK_ROWS
+        for i, layer in enumerate(layers):
+            plan = layer.native_plan(layers[i + 1].input_norm if i + 1 < len(layers) else self.norm)
+            rows = min(rows, plan.max_tokens if plan is not None else FEW_ROWS)
+        return max(rows, FEW_ROWS)
 
     def _native_stack(self, layers: list[DecoderLayer], x: torch.Tensor) -> _NativeStack | None:
         """Every layer's plan joined for one `native.decode_layer` with counts call, where every layer would

@@ -201,6 +201,23 @@ def test_q8_k_blocks_match_the_emulation(T: int, K: int) -> None:
         assert ((blocks.q.view(T, -1, 256).amin(-1) == -127) | (blocks.d == 0)).all()
 
 
+def test_q8_k_peak_in_every_lane_and_the_first_of_equal_ones() -> None:
+    # Row i: super-block 0's largest |x| at position i; super-block 1's at position 255 - i, tied
+    # there by an opposite-signed one further on (the first decides the sign of d)
+    x = torch.randn(256, 512, generator=torch.Generator().manual_seed(7))
+    for i in range(256):
+        x[i, i] = 40.0 if i % 2 else -40.0
+        x[i, 256 + 255 - i] = -50.0
+        if i > 0:
+            x[i, 256 + 255 - i + 1 + (i * 37) % i] = 50.0
+    want = emulate_q8_k(x.numpy())
+    got = [k_dot.quantize_rows_q8_k(x)] + ([k_dot.native_quantize_rows_q8_k(x)] if native.kernels() else [])
+    for blocks in got:
+        for a, b in zip(blocks, want, strict=True):
+            assert np.array_equal(a.numpy(), b)
+    assert (want[1][:, 1] > 0).all() and (np.sign(want[1][:, 0]) == [1, -1] * 128).all()
+
+
 # --- integer sums and float results ------------------------------------------------------------
 
 
