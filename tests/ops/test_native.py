@@ -328,7 +328,9 @@ def test_silu_mul_equals_the_pytorch_twin(T: int, I: int) -> None:  # noqa: E741
     # splits of 50; with 4 threads and 3 tokens, 150 in 3 and 70 in 2. Several tokens of one
     # sequence (a verify, a short chunk) are read as one group: 9 tokens over 150 positions, the
     # last splits holding positions only the later tokens see; a group beside single tokens; two
-    # sequences whose lengths are one apart over other blocks (not a group).
+    # sequences whose lengths are one apart over other blocks (not a group). 32 and more query rows
+    # a KV head (a 9-token group of 4 query heads a KV head, the 40-token chunk) take the scores
+    # as a product on transposed keys (float32 pools).
     [
         ([(1, 1), (6, 1), (37, 1), (70, 1)], 2),
         ([(150, 1)], 2),
@@ -339,10 +341,12 @@ def test_silu_mul_equals_the_pytorch_twin(T: int, I: int) -> None:  # noqa: E741
         ([(150, 9)], 8),
         ([(6, 1), (70, 5), (37, 1), (131, 3)], 4),
         ([(20, 1), (21, 1)], 2),
+        ([(150, 40)], 3),
     ],
     ids=[
         "4 tokens", "1 token 2 threads", "1 token 8 threads", "3 tokens 4 threads", "a 9-token chunk",
         "9-token verify 2 threads", "9-token verify 8 threads", "groups and single tokens", "lengths one apart",
+        "a 40-token chunk",
     ],
 )  # fmt: skip
 def test_attention_decode_equals_pytorch_step(

@@ -1286,6 +1286,92 @@ __attribute__((noinline)) void dots_tile(const float* const* q, const KV* const*
         for (int64_t i = d; i < hd; ++i) res[a][b] += q[a][i] * scalar(k[b][i]);
 }
 
+// Many tokens' scores as a small matrix product, the positions in the vector lanes: the keys of
+// ATT_KB blocks of LANES positions are transposed once (kt [ATT_KB][hd][LANES]) for all the query
+// rows, then ATT_QR rows at a time meet them, each query element broadcast (no horizontal sums:
+// the 4 x 4 dot tiles above spend as many instructions on those as on their multiply-adds). The
+// transposes pay where many rows meet the keys: ATT_QROWS and more a KV head, over float32 K/V
+// (a 56-token chunk onto 1,248 positions of the 0.8B shape: 5.2 -> 3.4-4.2 ms a layer, 2 threads;
+// even at 8 tokens, 32 rows).
+constexpr int ATT_KB = 2;
+constexpr int64_t ATT_QROWS = 32;
+#if HYBRIDKV_LANES == 16
+constexpr int ATT_QR = 8;
+#else
+constexpr int ATT_QR = 4;
+#endif
+
+#if HYBRIDKV_LANES == 16
+// The 16 x 16 floats r[0..16) (row i: 16 consecutive floats) transposed in registers into out[i * 16].
+inline void transpose16(__m512* r, float* out) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4)
+    for (int j = 0; j < 2; ++j) {
+      r[i + 2 * j] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + j]), _mm512_castps_pd(t[i + 2 + j])));
+      r[i + 2 * j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + j]), _mm512_castps_pd(t[i + 2 + j])));
+    }
+  // r[4q + x] holds, in each 128-bit lane l, rows 4q..4q+3's column 4l + x
+  for (int x = 0; x < 4; ++x) {
+    const __m512 a = _mm512_shuffle_f32x4(r[x], r[4 + x], 0x88), b = _mm512_shuffle_f32x4(r[x], r[4 + x], 0xDD);
+    const __m512 c = _mm512_shuffle_f32x4(r[8 + x], r[12 + x], 0x88), d = _mm512_shuffle_f32x4(r[8 + x], r[12 + x], 0xDD);
+    _mm512_storeu_ps(out + 16 * x, _mm512_shuffle_f32x4(a, c, 0x88));
+    _mm512_storeu_ps(out + 16 * (4 + x), _mm512_shuffle_f32x4(b, d, 0x88));
+    _mm512_storeu_ps(out + 16 * (8 + x), _mm512_shuffle_f32x4(a, c, 0xDD));
+    _mm512_storeu_ps(out + 16 * (12 + x), _mm512_shuffle_f32x4(b, d, 0xDD));
+  }
+}
+#endif
+
+// kt[(c * hd + d) * LANES + b] = k[c * LANES + b][d]; positions from np on are 0.
+template <typename KV>
+void transpose_keys(const KV* const* k, int64_t np, int64_t hd, float* kt) {
+#if HYBRIDKV_LANES == 16
+  if constexpr (std::is_same_v<KV, float>) {
+    if (hd % 16 == 0) {
+      for (int c = 0; c < ATT_KB; ++c)
+        for (int64_t d = 0; d < hd; d += 16) {
+          __m512 r[16];
+          for (int b = 0; b < 16; ++b) r[b] = c * 16 + b < np ? _mm512_loadu_ps(k[c * 16 + b] + d) : _mm512_setzero_ps();
+          transpose16(r, kt + (c * hd + d) * 16);
+        }
+      return;
+    }
+  }
+#endif
+  for (int c = 0; c < ATT_KB; ++c)
+    for (int b = 0; b < LANES; ++b) {
+      const int64_t p = c * LANES + b;
+      float* col = kt + c * hd * LANES + b;
+      if (p < np)
+        for (int64_t d = 0; d < hd; ++d) col[d * LANES] = scalar(k[p][d]);
+      else
+        for (int64_t d = 0; d < hd; ++d) col[d * LANES] = 0.f;
+    }
+}
+
+// out[a][at : at + ATT_KB * LANES) = sc * (q[a] . the transposed keys' positions), for a < RT.
+template <int RT>
+__attribute__((noinline)) void scores_tile(const float* const* q, const float* kt, int64_t hd, float sc,
+                                           float* const* out, int64_t at) {
+  vf acc[RT][ATT_KB];
+  for (int a = 0; a < RT; ++a)
+    for (int c = 0; c < ATT_KB; ++c) acc[a][c] = vf{};
+  for (int64_t d = 0; d < hd; ++d) {
+    vf kv[ATT_KB];
+    for (int c = 0; c < ATT_KB; ++c) kv[c] = load(kt + (c * hd + d) * LANES);
+    for (int a = 0; a < RT; ++a) {
+      const vf qa = vf{} + q[a][d];
+      for (int c = 0; c < ATT_KB; ++c) acc[a][c] += qa * kv[c];
+    }
+  }
+  for (int a = 0; a < RT; ++a)
+    for (int c = 0; c < ATT_KB; ++c) store(out[a] + at + c * LANES, sc * acc[a][c]);
+}
+
 // acc[a][d : d + V * LANES] += sum over p < np of w[a][p] * rows[p][d : ...].
 template <int RT, int V, typename KV>
 __attribute__((noinline)) void weigh_tile(const float* const* w, const KV* const* rows, int64_t np, int64_t d, float* const* acc) {
@@ -1389,6 +1475,8 @@ at::Tensor attention_decode_impl(const at::Tensor& qkv, const at::Tensor& q_norm
   const float sc = static_cast<float>(scale);
   hybridkv::claimed_for(items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, spare(hd);  // spare: where padding rows of a tile sum to
+    std::vector<float> kt(ATT_KB * LANES * hd);  // keys transposed (`transpose_keys`)
+    std::vector<float*> out_of;
     std::vector<const float*> q_of, w_of;
     std::vector<float*> acc_of;
     std::vector<const KV*> rows(ATT_RUN);
@@ -1413,13 +1501,17 @@ at::Tensor attention_decode_impl(const at::Tensor& qkv, const at::Tensor& q_norm
           __builtin_prefetch(at + b, 0, decltype(hint)::value);
       };
       // Row r of KV head g is token j = r / group's query head h = g * group + r % group: its
-      // scores are scores[(j * H + h) * S + p - p0], its sums acc[(j * H + h) * hd ...]. Padding
+      // scores are scores[(j * H + h) * Sp + p - p0], its sums acc[(j * H + h) * hd ...]. Padding
       // rows repeat the last row.
       auto head_of = [&](int64_t r, int64_t g) {
         r = std::min(r, R - 1);
         return r / group * H + g * group + r % group;
       };
-      scores.resize(m * H * S);
+      // A row of scores per (token, query head), Sp apart: whole blocks of ATT_KB * LANES
+      // positions where `scores_tile` writes them.
+      const bool transposed = std::is_same_v<KV, float> && R >= ATT_QROWS;
+      const int64_t Sp = transposed ? (S + ATT_KB * LANES - 1) / (ATT_KB * LANES) * (ATT_KB * LANES) : S;
+      scores.resize(m * H * Sp);
       // One token (a decode step) over float32 K/V: position by position, one dot product per
       // query head, keys fetched KV_AHEAD positions on (the tiles below measured no faster here:
       // a decode step's keys and values come from memory, evicted by the layers' weights since
@@ -1437,15 +1529,35 @@ at::Tensor attention_decode_impl(const at::Tensor& qkv, const at::Tensor& q_norm
           }
         }
       }
+      const int64_t R_q = R + ATT_QR;  // rows of q_of and out_of per KV head: a last tile's padding
       if (!by_position) {
-        q_of.resize(Hkv * R_pad);
+        q_of.resize(Hkv * R_q);
+        out_of.resize(Hkv * R_q);
         for (int64_t g = 0; g < Hkv; ++g)
-          for (int64_t r = 0; r < R_pad; ++r) q_of[g * R_pad + r] = qp + (n0 * H + head_of(r, g)) * hd;
+          for (int64_t r = 0; r < R_q; ++r) {
+            q_of[g * R_q + r] = qp + (n0 * H + head_of(r, g)) * hd;
+            out_of[g * R_q + r] = scores.data() + head_of(r, g) * Sp;
+          }
       }
-      // Several tokens: ATT_PT positions at a time in order, each KV head's rows of them against
-      // its query rows. Keys are fetched KV_AHEAD positions on into L1, values into L2 for the
-      // pass below.
-      for (int64_t p = p0; !by_position && p < p1; p += ATT_PT) {
+      // Many rows: ATT_KB * LANES positions at a time in order, each KV head's keys of them
+      // transposed and met by its query rows ATT_QR at a time (`scores_tile`; padding rows repeat
+      // the last row, so they write its scores again). Values are fetched into L2 for the pass
+      // below.
+      constexpr int64_t KB = ATT_KB * LANES;
+      for (int64_t p = p0; !by_position && transposed && p < p1; p += KB) {
+        const int64_t np = std::min(KB, p1 - p);
+        for (int64_t b = 0; b < np; ++b) fetch(vp, p + b + KB, std::integral_constant<int, 2>{});
+        for (int64_t g = 0; g < Hkv; ++g) {
+          const KV* k[KB];
+          for (int64_t b = 0; b < KB; ++b) k[b] = at_row(kp, std::min(p + b, p1 - 1), g);
+          transpose_keys(k, np, hd, kt.data());
+          for (int64_t r = 0; r < R; r += ATT_QR)
+            scores_tile<ATT_QR>(q_of.data() + g * R_q + r, kt.data(), hd, sc, out_of.data() + g * R_q + r, p - p0);
+        }
+      }
+      // Fewer: ATT_PT positions at a time in order, each KV head's rows of them against its query
+      // rows. Keys are fetched KV_AHEAD positions on into L1, values into L2 for the pass below.
+      for (int64_t p = p0; !by_position && !transposed && p < p1; p += ATT_PT) {
         for (int b = 0; b < ATT_PT; ++b) {
           fetch(kp, p + b + KV_AHEAD, std::integral_constant<int, 3>{});
           fetch(vp, p + b + KV_AHEAD, std::integral_constant<int, 2>{});
@@ -1457,11 +1569,11 @@ at::Tensor attention_decode_impl(const at::Tensor& qkv, const at::Tensor& q_norm
             float res[ATT_RT][ATT_PT];
             rt = tile_rows(r);
             if (rt == ATT_RT)
-              dots_tile<ATT_RT>(q_of.data() + g * R_pad + r, k, hd, res);
+              dots_tile<ATT_RT>(q_of.data() + g * R_q + r, k, hd, res);
             else
-              dots_tile<2>(q_of.data() + g * R_pad + r, k, hd, res);
+              dots_tile<2>(q_of.data() + g * R_q + r, k, hd, res);
             for (int a = 0; a < rt && r + a < R; ++a)
-              for (int b = 0; b < ATT_PT && p + b < p1; ++b) scores[head_of(r + a, g) * S + p + b - p0] = sc * res[a][b];
+              for (int b = 0; b < ATT_PT && p + b < p1; ++b) scores[head_of(r + a, g) * Sp + p + b - p0] = sc * res[a][b];
           }
         }
       }
@@ -1471,16 +1583,24 @@ at::Tensor attention_decode_impl(const at::Tensor& qkv, const at::Tensor& q_norm
         const int64_t Sj = std::clamp<int64_t>(len0 + j - p0, 0, S);  // positions token j sees here
         for (int64_t h = 0; h < H; ++h) {
           const int64_t u = base[item] + j * H + h;
-          float* s = scores.data() + (j * H + h) * S;
+          float* s = scores.data() + (j * H + h) * Sp;
           std::fill(s + Sj, s + S, 0.f);
           if (Sj == 0) {
             part_max[u] = -std::numeric_limits<float>::infinity();
             part_sum[u] = 0.f;
             continue;
           }
-          float mx = s[0];
-          for (int64_t p = 1; p < Sj; ++p) mx = std::max(mx, s[p]);
+          // the largest score, LANES at a time (a max is exact in any order)
+          vf vmax = vf{} + s[0];
           int64_t p = 0;
+          for (; p + LANES <= Sj; p += LANES) {
+            const vf x = load(s + p);
+            vmax = vmax < x ? x : vmax;
+          }
+          float mx = s[0];
+          for (int l = 0; l < LANES; ++l) mx = std::max(mx, vmax[l]);
+          for (; p < Sj; ++p) mx = std::max(mx, s[p]);
+          p = 0;
           vf sums = {};
           for (; p + LANES <= Sj; p += LANES) {
             const vf e = vexp(load(s + p) - mx);
@@ -1527,7 +1647,7 @@ at::Tensor attention_decode_impl(const at::Tensor& qkv, const at::Tensor& q_norm
         for (int64_t g = 0; g < Hkv; ++g) {
           for (int64_t p = pr; p < pe; ++p) rows[p - pr] = at_row(vp, p, g);
           for (int64_t r = 0; r < R_pad; ++r) {
-            w_of[r] = scores.data() + head_of(r, g) * S + pr - p0;
+            w_of[r] = scores.data() + head_of(r, g) * Sp + pr - p0;
             acc_of[r] = r < R ? acc + head_of(r, g) * hd : spare.data();
           }
           for (int64_t r = 0, rt; r < R; r += rt) {
