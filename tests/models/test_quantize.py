@@ -143,8 +143,10 @@ def test_a_quantized_model_computes_on_its_rounded_weights(kind):
     # rows of 256 take the K-quant; the default model's 192-wide rows fall back as llama.cpp's do
     types = {p.btype.name for w in blocks.values() for p in getattr(w, "parts", (w,)) if isinstance(p, QuantizedWeight)}
     # repacked or (2-D, 16·n rows, where the 16-lane kernel runs) tiled at load for the C++ kernels
-    q4_k = ("Q4_K_T" if k_dot.native_tiles_q4_k() else "Q4_K_R") if native.enabled() else "Q4_K"
-    assert types == {"q8_0": {"Q8_0"}, "q6_k": {"Q8_0", "Q6_K"}, "q4_k": {"Q5_0", q4_k}}[kind]
+    tiles = native.enabled() and k_dot.native_tiles_q4_k()
+    q4_k = ("Q4_K_T" if tiles else "Q4_K_R") if native.enabled() else "Q4_K"
+    q6_k = "Q6_K_T" if tiles else "Q6_K"
+    assert types == {"q8_0": {"Q8_0"}, "q6_k": {"Q8_0", q6_k}, "q4_k": {"Q5_0", q4_k}}[kind]
 
     # the float model with each quantized weight replaced by its dequantized blocks
     reference = load_model(default_model_dir())

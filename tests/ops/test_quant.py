@@ -260,14 +260,16 @@ def test_weight_rows_are_the_dequantized_rows_bit_for_bit(
     """An embedding lookup on a file's blocks (`QuantizedWeight.rows`; one C++ call for the types
     with a kernel): exactly gguf-py's rows, by the kernel and by the twin."""
     monkeypatch.setattr(native, "disabled", not use_native)
-    V, K = 16 if t == GGMLType.Q4_K_T else 13, 512  # tiled rows come 16 at a time
-    file_t = GGMLType.Q4_K if t in (GGMLType.Q4_K_R, GGMLType.Q4_K_T) else t
+    V, K = 16 if t in (GGMLType.Q4_K_T, GGMLType.Q6_K_T) else 13, 512  # tiled rows come 16 at a time
+    file_t = {GGMLType.Q4_K_R: GGMLType.Q4_K, GGMLType.Q4_K_T: GGMLType.Q4_K, GGMLType.Q6_K_T: GGMLType.Q6_K}.get(t, t)
     rows = random_rows(block_type(file_t), (V,), K, seed=V)
     w = QuantizedWeight.of(torch.from_numpy(rows), file_t)
     if t == GGMLType.Q4_K_R:
         w = QuantizedWeight(block_fns.repack_q4_k(w.blocks), block_type(t), w.shape)
     if t == GGMLType.Q4_K_T:
         w = QuantizedWeight(block_fns.tile_q4_k(w.blocks), block_type(t), w.shape)
+    if t == GGMLType.Q6_K_T:
+        w = QuantizedWeight(block_fns.tile_q6_k(w.blocks), block_type(t), w.shape)
     ids = torch.tensor([12, 0, 7, 7, V - 1])
     want = torch.from_numpy(gguf_dequantize(rows[ids.numpy()], block_type(file_t))).float().view(len(ids), K)
     assert torch.equal(w.rows(ids), want)

@@ -5,6 +5,8 @@ weights in float64."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
@@ -354,7 +356,8 @@ def test_native_k_quant_names_what_does_not_match() -> None:
     with pytest.raises(RuntimeError, match="activations of 512 features need rows of 288 bytes"):
         k_dot.native_k_matmul(torch.randn(2, 512), rows, GGMLType.Q4_K)
     with pytest.raises(
-        RuntimeError, match=r"14 \(Q6_K\), 1012 \(Q4_K repacked at load\) and 1013 \(Q4_K tiled at load\), not 8"
+        RuntimeError,
+        match=r"14 \(Q6_K\), 1012 \(Q4_K repacked at load\), 1013 and 1014 \(Q4_K, Q6_K tiled at load\), not 8",
     ):
         k_dot.native_k_matmul(x, rows, GGMLType.Q8_0)
     with pytest.raises(RuntimeError, match="isa 'vnni' is not available"):
@@ -424,17 +427,24 @@ def test_q4_k_tiles_put_16_rows_side_by_side_and_undo_exactly() -> None:
     for v, r in [(0, 0), (7, 10), (8, 15), (15, 3)]:
         got = (bits[:, :, v, 6 * r : 6 * r + 6] << torch.arange(6)).sum(-1)
         assert torch.equal(got, values[:, r, :, v].int())
+    _assert_tiles_are_the_rows(rows, t, GGMLType.Q4_K, GGMLType.Q4_K_T)
+
+
+def _assert_tiles_are_the_rows(rows: torch.Tensor, t: torch.Tensor, file_t: GGMLType, tiled_t: GGMLType) -> None:
+    """Tiles t of rows [32, 512·] dequantize to the rows' weights; the tilers refuse rows not 16 at
+    a time; the C++ twin that tiles at load gives the same bytes both ways."""
+    name = file_t.name.lower()
     assert torch.equal(
-        QuantizedWeight(t, block_type(GGMLType.Q4_K_T), (32, 512)).dequantize(),
-        QuantizedWeight.of(rows, GGMLType.Q4_K).dequantize(),
+        QuantizedWeight(t, block_type(tiled_t), (32, 512)).dequantize(), QuantizedWeight.of(rows, file_t).dequantize()
     )
     with pytest.raises(ValueError, match="16"):
-        block_fns.tile_q4_k(rows[:20])
-    if native.kernels() is not None:  # the C++ twin that tiles at load
-        assert torch.equal(k_dot.native_tile_q4_k(rows), t)
-        assert torch.equal(k_dot.native_tile_q4_k(t, inverse=True), rows)
+        getattr(block_fns, f"tile_{name}")(rows[:20])
+    if native.kernels() is not None:
+        native_tile = getattr(k_dot, f"native_tile_{name}")
+        assert torch.equal(native_tile(rows), t)
+        assert torch.equal(native_tile(t, inverse=True), rows)
         with pytest.raises(RuntimeError, match="multiple of 16"):
-            k_dot.native_tile_q4_k(rows[:20])
+            native_tile(rows[:20])
 
 
 # (T, K, N): one row and 2-4 (the rows in registers at once), 5 and 9 (4 + 1, 4 + 4 + 1), 70 (two
@@ -451,37 +461,74 @@ TILED_SHAPES = [
 ]
 
 
+# The tiled types: (file type, tiled type, the Python tiler)
+TILED = [
+    (GGMLType.Q4_K, GGMLType.Q4_K_T, block_fns.tile_q4_k),
+    (GGMLType.Q6_K, GGMLType.Q6_K_T, block_fns.tile_q6_k),
+]
+
+
+@pytest.mark.parametrize(("file_t", "tiled_t", "tile"), TILED, ids=lambda v: getattr(v, "name", ""))
 @pytest.mark.parametrize(("T", "K", "N"), TILED_SHAPES)
-def test_tiled_q4_k_matmul_within_rounding_of_the_emulation(T: int, K: int, N: int) -> None:
+def test_tiled_k_matmul_within_rounding_of_the_emulation(
+    T: int, K: int, N: int, file_t: GGMLType, tiled_t: GGMLType, tile: Callable[[torch.Tensor], torch.Tensor]
+) -> None:
     x = activations(T, K, seed=N)
-    rows = weight_rows(GGMLType.Q4_K, N, K, seed=T)
-    _, want_sums, want = emulate(x.numpy(), rows, GGMLType.Q4_K)
-    w = block_fns.tile_q4_k(torch.from_numpy(rows))
+    rows = weight_rows(file_t, N, K, seed=T)
+    _, want_sums, want = emulate(x.numpy(), rows, file_t)
+    w = tile(torch.from_numpy(rows))
     xq = k_dot.quantize_rows_q8_k(x)
-    assert np.array_equal(k_dot.superblock_sums(xq, k_dot.split_k(w, GGMLType.Q4_K_T)).numpy(), want_sums)
-    assert_close(k_dot.k_matmul_twin(x, w, GGMLType.Q4_K_T), torch.from_numpy(want), rel=1e-6)
+    assert np.array_equal(k_dot.superblock_sums(xq, k_dot.split_k(w, tiled_t)).numpy(), want_sums)
+    assert_close(k_dot.k_matmul_twin(x, w, tiled_t), torch.from_numpy(want), rel=1e-6)
     if native.kernels() is None:
         return
     for isa in k_dot.available_isas():  # "avx2": the 16-lane kernel where this build has it
-        assert np.array_equal(k_dot.native_superblock_sums(xq, w, GGMLType.Q4_K_T, isa).numpy(), want_sums)
-        assert_close(k_dot.native_k_matmul(x, w, GGMLType.Q4_K_T, isa), torch.from_numpy(want), rel=1e-6)
-    parts = k_dot.native_k_matmul_parts(x, [w, torch.from_numpy(rows)], [GGMLType.Q4_K_T, GGMLType.Q4_K])
+        assert np.array_equal(k_dot.native_superblock_sums(xq, w, tiled_t, isa).numpy(), want_sums)
+        assert_close(k_dot.native_k_matmul(x, w, tiled_t, isa), torch.from_numpy(want), rel=1e-6)
+    parts = k_dot.native_k_matmul_parts(x, [w, torch.from_numpy(rows)], [tiled_t, file_t])
     assert_close(parts, torch.from_numpy(np.concatenate([want, want], -1)), rel=1e-6)
     ids = torch.tensor([N - 1, 0, 17 % N])
     assert torch.equal(
-        k_dot.native_k_dequantize_rows(w, ids, GGMLType.Q4_K_T),
-        QuantizedWeight.of(torch.from_numpy(rows), GGMLType.Q4_K).dequantize()[ids],
+        k_dot.native_k_dequantize_rows(w, ids, tiled_t),
+        QuantizedWeight.of(torch.from_numpy(rows), file_t).dequantize()[ids],
     )
 
 
+def test_q6_k_tiles_put_16_rows_side_by_side_and_undo_exactly() -> None:
+    rows = torch.from_numpy(weight_rows(GGMLType.Q6_K, 32, 512, seed=6))
+    t = block_fns.tile_q6_k(rows)
+    assert torch.equal(block_fns.untile_q6_k(t), rows) and not torch.equal(t, rows)
+    b = rows.reshape(2, 16, 2, 210)  # [tile, row, super-block, byte]
+    tile = t.reshape(2, 2, 3360)  # [tile, super-block, byte]
+    assert torch.equal(tile[..., :32].reshape(2, 2, 16, 2), b[..., 208:210].transpose(1, 2))  # d
+    assert torch.equal(tile[..., 32:288].reshape(2, 2, 16, 16), b[..., 192:208].permute(0, 2, 3, 1))  # scales [j, row]
+    codes = block_fns.q6_k_codes(b.reshape(-1, 210)).view(2, 16, 2, 256)  # [tile, row, super-block, weight]
+    groups = tile[..., 288:].reshape(2, 2, 16, 3, 16, 4)  # [tile, super-block, m, vector, row, byte]
+    for m, r, i in [(0, 0, 0), (15, 15, 3), (6, 9, 2)]:
+        for n in (2 * m, 2 * m + 1):  # nibble vectors: weight 4n + i low, 128 + 4n + i high
+            byte = groups[:, :, m, n - 2 * m, r, i]
+            assert torch.equal(byte & 15, codes[:, r, :, 4 * n + i] & 15)
+            assert torch.equal(byte >> 4, codes[:, r, :, 128 + 4 * n + i] & 15)
+        top = groups[:, :, m, 2, r, i]  # bits 2k: weights 8m + i, 8m + 4 + i, 128 + 8m + i, 132 + 8m + i
+        for k, weight in enumerate([8 * m + i, 8 * m + 4 + i, 128 + 8 * m + i, 132 + 8 * m + i]):
+            assert torch.equal((top >> (2 * k)) & 3, codes[:, r, :, weight] >> 4)
+    _assert_tiles_are_the_rows(rows, t, GGMLType.Q6_K, GGMLType.Q6_K_T)
+
+
 @pytest.mark.skipif(native.kernels() is None, reason="C++ kernels could not be built here")
-def test_q4_k_is_tiled_where_the_16_lane_kernel_runs_and_rows_allow() -> None:
-    rows = torch.from_numpy(weight_rows(GGMLType.Q4_K, 32, 512, seed=2))
-    tiled = "Q4_K_T" if k_dot.native_tiles_q4_k() else "Q4_K_R"
-    assert for_kernels(QuantizedWeight.of(rows, GGMLType.Q4_K)).btype.name == tiled
-    assert for_kernels(QuantizedWeight.of(rows[:24], GGMLType.Q4_K)).btype.name == "Q4_K_R"  # 24 rows
-    assert for_kernels(QuantizedWeight.of(rows, GGMLType.Q4_K), tile=False).btype.name == "Q4_K_R"  # an embedding
-    with pytest.raises(RuntimeError, match="tiled"):
+@pytest.mark.parametrize(
+    ("file_t", "tiled", "kept"), [(GGMLType.Q4_K, "Q4_K_T", "Q4_K_R"), (GGMLType.Q6_K, "Q6_K_T", "Q6_K")]
+)
+def test_k_quants_are_tiled_where_the_16_lane_kernel_runs_and_rows_allow(
+    file_t: GGMLType, tiled: str, kept: str
+) -> None:
+    # elsewhere Q4_K is repacked and Q6_K kept as the file's
+    rows = torch.from_numpy(weight_rows(file_t, 32, 512, seed=2))
+    assert for_kernels(QuantizedWeight.of(rows, file_t)).btype.name == (tiled if k_dot.native_tiles_q4_k() else kept)
+    assert for_kernels(QuantizedWeight.of(rows[:24], file_t)).btype.name == kept  # 24 rows
+    assert for_kernels(QuantizedWeight.of(rows, file_t), tile=False).btype.name == kept  # an embedding
+    native_tile = getattr(k_dot, f"native_tile_{file_t.name.lower()}")
+    with pytest.raises(RuntimeError, match="experts are not tiled"):
         k_dot.native_k_experts_matmul(
-            torch.randn(1, 512), k_dot.native_tile_q4_k(rows).view(2, 16, -1), torch.tensor([0]), GGMLType.Q4_K_T
+            torch.randn(1, 512), native_tile(rows).view(2, 16, -1), torch.tensor([0]), GGMLType[tiled]
         )

@@ -31,7 +31,9 @@ def test_serve_starts_answers_and_stops_on_ctrl_c(model_dir: Path) -> None:
             f"http://127.0.0.1:{port}/api/generate",
             json={"model": f"{model_dir.name}:latest", "prompt": "hi", "stream": False, "options": {"num_predict": 3}},
         )
-        assert answer.json()["eval_count"] == 3
+        body = answer.json()
+        # three tokens, or fewer where the tiny random model samples its end of turn first
+        assert body["done"] and (body["eval_count"] == 3 or (body["eval_count"] < 3 and body["done_reason"] == "stop"))
     finally:
         process.send_signal(signal.SIGINT)
         _, stderr = process.communicate(timeout=30)

@@ -52,6 +52,7 @@ constexpr int QK_K = 256;
 constexpr int kPrefetch = 4096;  // bytes of weights fetched ahead of the super-block being read
 constexpr int64_t kQ4KR = 1012;  // Q4_K repacked at load (`Q4KR`): hybridkv's id, never in a file
 constexpr int64_t kQ4KT = 1013;  // Q4_K tiled by 16 rows at load (below): the same
+constexpr int64_t kQ6KT = 1014;  // Q6_K tiled by 16 rows at load (below): the same
 
 enum class Isa { Scalar, Avx2 };
 
@@ -1031,9 +1032,10 @@ int block_bytes(int64_t ggml_type) {
     case 14: return Q6K::bytes;
     case kQ4KR: return Q4KR::bytes;
     case kQ4KT: return Q4K::bytes;
+    case kQ6KT: return Q6K::bytes;
   }
   TORCH_CHECK(false, "K-quant kernels take ggml types 10 (Q2_K), 11 (Q3_K), 12 (Q4_K), 13 (Q5_K), 14 (Q6_K), ",
-              kQ4KR, " (Q4_K repacked at load) and ", kQ4KT, " (Q4_K tiled at load), not ", ggml_type);
+              kQ4KR, " (Q4_K repacked at load), ", kQ4KT, " and ", kQ6KT, " (Q4_K, Q6_K tiled at load), not ", ggml_type);
   return 0;
 }
 
@@ -1044,7 +1046,8 @@ int64_t check_rows(const at::Tensor& w, int64_t K, int64_t ggml_type, const char
               w.sizes());
   TORCH_CHECK(K % QK_K == 0 && w.size(1) == K / QK_K * bytes, op, ": activations of ", K, " features need rows of ",
               K / QK_K * bytes, " bytes (K a multiple of 256), got ", w.size(1));
-  TORCH_CHECK(ggml_type != kQ4KT || w.size(0) % 16 == 0, op, ": tiled Q4_K rows come 16 at a time, got ", w.size(0));
+  TORCH_CHECK((ggml_type != kQ4KT && ggml_type != kQ6KT) || w.size(0) % 16 == 0, op,
+              ": tiled rows come 16 at a time, got ", w.size(0));
   return w.size(0);
 }
 
@@ -1540,29 +1543,31 @@ void tile_block(uint8_t* t, uint8_t* q, int r, bool inverse) {
   }
 }
 
-// Q4_K rows [N, nb·144] (N a multiple of 16) → tiled (a copy), or back (`inverse`).
-at::Tensor tile_q4_k(const at::Tensor& rows_in, bool inverse) {
+// K-quant rows [N, nb·bytes] (N a multiple of 16) → tiled (a copy), or back (`inverse`), a row's
+// block at a time by move(tile super-block, block, row, inverse); `name` (kq_tile_q4_k...) in errors.
+template <int bytes, class Move>
+at::Tensor tile_rows(const at::Tensor& rows_in, bool inverse, const char* name, Move move) {
   TORCH_CHECK(rows_in.scalar_type() == at::kByte && rows_in.dim() == 2 && rows_in.size(0) % 16 == 0 &&
-                  rows_in.size(1) % 144 == 0,
-              "kq_tile_q4_k: rows must be uint8 [N, nb * 144] with N a multiple of 16, got ", rows_in.scalar_type(), " ",
-              rows_in.sizes());
+                  rows_in.size(1) % bytes == 0,
+              name, ": rows must be uint8 [N, nb * ", bytes, "] with N a multiple of 16, got ", rows_in.scalar_type(),
+              " ", rows_in.sizes());
   const at::Tensor rows = rows_in.contiguous();
-  at::Tensor out = inverse ? at::empty_like(rows) : at::zeros_like(rows);  // tiles: scale bits OR-ed in
-  const int64_t nb = rows.size(1) / 144, tiles = rows.size(0) / 16;
+  at::Tensor out = inverse ? at::empty_like(rows) : at::zeros_like(rows);  // tiles: bits OR-ed in
+  const int64_t nb = rows.size(1) / bytes, tiles = rows.size(0) / 16;
   uint8_t* src = rows.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, tiles * nb, 64, [&](int64_t i0, int64_t i1) {
-    uint8_t block[144];
+    uint8_t block[bytes];
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t tile = i / nb, b = i % nb;
       for (int r = 0; r < 16; ++r) {
-        const int64_t q_at = ((tile * 16 + r) * nb + b) * 144, t_at = i * kTileSB;
+        const int64_t q_at = ((tile * 16 + r) * nb + b) * bytes, t_at = i * 16 * bytes;
         if (inverse) {
-          tile_block(src + t_at, block, r, true);
-          std::memcpy(dst + q_at, block, 144);
+          move(src + t_at, block, r, true);
+          std::memcpy(dst + q_at, block, bytes);
         } else {
-          std::memcpy(block, src + q_at, 144);
-          tile_block(dst + t_at, block, r, false);
+          std::memcpy(block, src + q_at, bytes);
+          move(dst + t_at, block, r, false);
         }
       }
     }
@@ -1570,9 +1575,92 @@ at::Tensor tile_q4_k(const at::Tensor& rows_in, bool inverse) {
   return out;
 }
 
+at::Tensor tile_q4_k(const at::Tensor& rows, bool inverse) {
+  return tile_rows<144>(rows, inverse, "kq_tile_q4_k", tile_block);
+}
+
 // Row `row`'s Q4_K block b from tiled rows w (nb super-blocks a row) into q.
 inline void untiled_block(const uint8_t* w, int64_t nb, int64_t row, int64_t b, uint8_t* q) {
   tile_block(const_cast<uint8_t*>(w + ((row / 16) * nb + b) * kTileSB), q, static_cast<int>(row % 16), true);
+}
+
+// Q6_K tiled by 16 rows (kQ6KT), built at load from the file's rows as Q4_K's tiles are: per
+// tile of 16 rows and super-block, 16 × 210 = 3360 bytes,
+//   [0, 32)       the 16 rows' d (fp16),
+//   [32, 288)     scales: sub-block j's 16 rows (int8) at 32 + 16j,
+//   [288, 3360)   16 groups m of 192 bytes at 288 + 192m, in the order they are read (from memory
+//                 a single stream): two of low 4 bits, n = 2m and 2m + 1 at +64(n - 2m), row r's 4
+//                 bytes at +4r, byte i holding weight 4n + i in its low nibble and 128 + 4n + i in
+//                 its high; then one of top 2 bits at +128, row r's 4 bytes at +4r, byte i holding
+//                 at bits 2k, k < 4, those of weight 8m + i (k = 0), 8m + 4 + i (1), 128 + 8m + i
+//                 (2), 128 + 8m + 4 + i (3).
+// Each 64-byte load is again 16 rows × 4 weights a lane per row; a 6-bit code takes a shift, a
+// mask and a ternary-logic op to assemble, for 2 nibble loads and one of top bits per 16 weights.
+constexpr int64_t kTile6SB = 16 * 210;
+
+// Row r's codes (256, 0..63) of one Q6_K block q (ggml's order: `dequantize_q6k`), or back.
+void q6k_codes(uint8_t* q, uint8_t* codes, bool inverse) {
+  for (int h = 0; h < 2; ++h)
+    for (int i = 0; i < 4; ++i)
+      for (int l = 0; l < 32; ++l) {
+        uint8_t& lo = q[64 * h + l + 32 * (i & 1)];
+        uint8_t& hi = q[128 + 32 * h + l];
+        uint8_t& c = codes[128 * h + 32 * i + l];
+        const int lo_shift = 4 * (i >> 1), hi_shift = 2 * i;
+        if (!inverse) {
+          c = static_cast<uint8_t>(((lo >> lo_shift) & 15) | (((hi >> hi_shift) & 3) << 4));
+        } else {
+          lo = static_cast<uint8_t>(lo | ((c & 15) << lo_shift));
+          hi = static_cast<uint8_t>(hi | ((c >> 4) << hi_shift));
+        }
+      }
+}
+
+// One row's Q6_K block (210 bytes at q) into tile super-block t as row r, or back (`inverse`).
+void tile_block6(uint8_t* t, uint8_t* q, int r, bool inverse) {
+  uint8_t codes[QK_K];
+  if (!inverse) {
+    q6k_codes(q, codes, false);
+    std::memcpy(t + 2 * r, q + 208, 2);
+    for (int j = 0; j < 16; ++j) t[32 + 16 * j + r] = q[192 + j];
+    for (int n = 0; n < 32; ++n)
+      for (int i = 0; i < 4; ++i)
+        t[288 + 192 * (n / 2) + 64 * (n % 2) + 4 * r + i] =
+            static_cast<uint8_t>((codes[4 * n + i] & 15) | ((codes[128 + 4 * n + i] & 15) << 4));
+    for (int m = 0; m < 16; ++m)
+      for (int i = 0; i < 4; ++i) {
+        const int w[4] = {8 * m + i, 8 * m + 4 + i, 128 + 8 * m + i, 128 + 8 * m + 4 + i};
+        uint8_t v = 0;
+        for (int k = 0; k < 4; ++k) v = static_cast<uint8_t>(v | ((codes[w[k]] >> 4) << (2 * k)));
+        t[288 + 192 * m + 128 + 4 * r + i] = v;
+      }
+    return;
+  }
+  for (int n = 0; n < 32; ++n)
+    for (int i = 0; i < 4; ++i) {
+      const uint8_t v = t[288 + 192 * (n / 2) + 64 * (n % 2) + 4 * r + i];
+      codes[4 * n + i] = v & 15;
+      codes[128 + 4 * n + i] = v >> 4;
+    }
+  for (int m = 0; m < 16; ++m)
+    for (int i = 0; i < 4; ++i) {
+      const int w[4] = {8 * m + i, 8 * m + 4 + i, 128 + 8 * m + i, 128 + 8 * m + 4 + i};
+      const uint8_t v = t[288 + 192 * m + 128 + 4 * r + i];
+      for (int k = 0; k < 4; ++k) codes[w[k]] = static_cast<uint8_t>(codes[w[k]] | (((v >> (2 * k)) & 3) << 4));
+    }
+  std::memset(q, 0, 192);  // ql and qh: their bits OR-ed back in
+  q6k_codes(q, codes, true);
+  for (int j = 0; j < 16; ++j) q[192 + j] = t[32 + 16 * j + r];
+  std::memcpy(q + 208, t + 2 * r, 2);
+}
+
+at::Tensor tile_q6_k(const at::Tensor& rows, bool inverse) {
+  return tile_rows<210>(rows, inverse, "kq_tile_q6_k", tile_block6);
+}
+
+// Row `row`'s Q6_K block b from tiled rows w (nb super-blocks a row) into q.
+inline void untiled_block6(const uint8_t* w, int64_t nb, int64_t row, int64_t b, uint8_t* q) {
+  tile_block6(const_cast<uint8_t*>(w + ((row / 16) * nb + b) * kTile6SB), q, static_cast<int>(row % 16), true);
 }
 
 #if defined(HYBRIDKV_ZMM) && defined(__AVX512VBMI__)
@@ -1598,7 +1686,7 @@ inline int32_t load_i32(const int8_t* p) {
 struct TileScales {
   __m512i sc[8], mins[4];
   __m512 d16, dmin;
-  ALWAYS_INLINE explicit TileScales(const uint8_t* tb) {
+  ALWAYS_INLINE TileScales(const uint8_t* tb, int64_t /* rows */) {
     for (int s = 0; s < 8; ++s) sc[s] = tile_value(tb + 64 + 12 * s);
     for (int s = 0; s < 8; s += 2) sc[s] = _mm512_slli_epi32(sc[s], 4);
     for (int j = 0; j < 4; ++j)
@@ -1641,46 +1729,145 @@ ALWAYS_INLINE void tiled_superblock(const uint8_t* tb, const TileScales& k, cons
   }
 }
 
-// y [T, ldy] (columns 0..N) = x @ W.T for tiled rows w: threads split the tiles, each tile's
-// super-blocks met by TILE_T activation rows at a time, 4 in registers at once.
-void tiled_matmul(const Q8K& xq, const uint8_t* w, int64_t N, float* y, int64_t ldy) {
-  const int64_t T = xq.T, nb = xq.K / QK_K;
-  // Each sub-block pair's activation sums (|sum| <= 32·128) as one i32: the even one's in the low
-  // 16 bits, the odd one's in the high (`_mm512_dpwssd_epi32`'s pairs).
-  std::vector<int32_t> xpair(T * nb * 4);
-  for (int64_t i = 0; i < T * nb * 4; ++i) {
-    const int16_t* bs = xq.bsums + 4 * i;
-    const uint32_t even = static_cast<uint16_t>(bs[0] + bs[1]), odd = static_cast<uint16_t>(bs[2] + bs[3]);
-    xpair[i] = static_cast<int32_t>(even | (odd << 16));
+// Q6_K's G activation rows against one tiled super-block of 16 rows: acc[t] (lane r: row r) +=
+// d·dx·(S − 32·M), S = Σ_j sc_j·(q·x)_j over the 16 sub-blocks (q the unsigned 6-bit codes) and
+// M = Σ_j sc_j·bsum_j, the codes' −32 (|S| < 2^31: 16·128·16·63·127).
+// Group m's four vectors of 6-bit codes (weights 8m.., 8m + 4.., 128 + 8m.., 128 + 8m + 4..):
+// (A & 15) | X with X's bits only at 0x30, ternary-logic table 0xEA = (a & b) | c.
+ALWAYS_INLINE void tile6_codes(const uint8_t* tb, int m, __m512i* c) {
+  const __m512i low = _mm512_set1_epi8(15), top = _mm512_set1_epi8(0x30);
+  const uint8_t* g = tb + 288 + 192 * m;
+  const __m512i A0 = _mm512_loadu_si512(g), A1 = _mm512_loadu_si512(g + 64), H = _mm512_loadu_si512(g + 128);
+  c[0] = _mm512_ternarylogic_epi32(A0, low, _mm512_and_si512(_mm512_slli_epi16(H, 4), top), 0xEA);
+  c[1] = _mm512_ternarylogic_epi32(A1, low, _mm512_and_si512(_mm512_slli_epi16(H, 2), top), 0xEA);
+  c[2] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(A0, 4), low, _mm512_and_si512(H, top), 0xEA);
+  c[3] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(A1, 4), low, _mm512_and_si512(_mm512_srli_epi16(H, 2), top), 0xEA);
+}
+
+// A tiled Q6_K super-block's scales, decoded once for all the activation rows that meet it: the
+// sub-blocks' scales as i16 pairs (2i, 2i+1) for the mins' dpwssd, and d; for more than 4 rows
+// (prefill) its codes too, assembled once into 4 KiB that stay in L1 (else per 4 rows, as met).
+struct Tile6Scales {
+  __m512i pair[8];
+  __m512 d;
+  bool expanded;
+  __m512i codes[64];
+  ALWAYS_INLINE Tile6Scales(const uint8_t* tb, int64_t rows) : expanded(rows > 4) {
+    if (expanded)
+      for (int m = 0; m < 16; ++m) tile6_codes(tb, m, codes + 4 * m);
+    for (int i = 0; i < 8; ++i) {
+      const __m512i even = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tb + 32 + 32 * i)));
+      const __m512i odd = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tb + 48 + 32 * i)));
+      pair[i] = _mm512_or_si512(_mm512_and_si512(even, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(odd, 16));
+    }
+    d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb)));
   }
-  hybridkv::claimed_for(N / 16, hybridkv::claim_items(nb * kTileSB, 1), [&](int64_t i0, int64_t i1) {
+};
+
+template <int G>
+ALWAYS_INLINE void tiled6_superblock(const uint8_t* tb, const Tile6Scales& k, const int8_t* const* a,
+                                     const int32_t* const* xpair, const float* dx, __m512* acc) {
+  __m512i S[G], M[G];
+  for (int t = 0; t < G; ++t) S[t] = M[t] = _mm512_setzero_si512();
+  for (int j = 0; j < 8; ++j) {  // sub-blocks j (weights 16j..) and 8 + j (128 + 16j..)
+    __m512i P[G], Q[G];
+    for (int t = 0; t < G; ++t) P[t] = Q[t] = _mm512_setzero_si512();
+    for (int h = 0; h < 2; ++h) {
+      const int m = 2 * j + h, n = 2 * m;  // group m: nibble groups n, n + 1 and their top bits
+      __m512i own[4];
+      const __m512i* c = k.codes + 4 * m;
+      if (!k.expanded) {
+        tile6_codes(tb, m, own);
+        c = own;
+      }
+      for (int t = 0; t < G; ++t) {
+        P[t] = _mm512_dpbusd_epi32(P[t], c[0], _mm512_set1_epi32(load_i32(a[t] + 4 * n)));
+        P[t] = _mm512_dpbusd_epi32(P[t], c[1], _mm512_set1_epi32(load_i32(a[t] + 4 * n + 4)));
+        Q[t] = _mm512_dpbusd_epi32(Q[t], c[2], _mm512_set1_epi32(load_i32(a[t] + 128 + 4 * n)));
+        Q[t] = _mm512_dpbusd_epi32(Q[t], c[3], _mm512_set1_epi32(load_i32(a[t] + 128 + 4 * n + 4)));
+      }
+    }
+    const __m512i sl = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tb + 32 + 16 * j)));
+    const __m512i sh = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tb + 32 + 16 * (8 + j))));
+    for (int t = 0; t < G; ++t)
+      S[t] = _mm512_add_epi32(S[t], _mm512_add_epi32(_mm512_mullo_epi32(P[t], sl), _mm512_mullo_epi32(Q[t], sh)));
+  }
+  for (int t = 0; t < G; ++t) {
+    for (int i = 0; i < 8; ++i) M[t] = _mm512_dpwssd_epi32(M[t], k.pair[i], _mm512_set1_epi32(xpair[t][i]));
+    const __m512i diff = _mm512_sub_epi32(S[t], _mm512_slli_epi32(M[t], 5));
+    acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(k.d, _mm512_set1_ps(dx[t])), _mm512_cvtepi32_ps(diff), acc[t]);
+  }
+}
+
+// The two tiled types as `tiled_matmul` reads them: bytes per tile super-block, the activations'
+// i16 sum pairs per super-block (Q4_K: its 8 sub-blocks of 32 from bsums' 16; Q6_K: bsums as they
+// lie), and the product of G rows.
+struct Tile4 {
+  static constexpr int64_t bytes = kTileSB, pairs = 4;
+  static int32_t pair(const int16_t* bs, int64_t i) {  // sub-blocks 2i, 2i+1 of a super-block's 8
+    const uint32_t even = static_cast<uint16_t>(bs[4 * i] + bs[4 * i + 1]);
+    const uint32_t odd = static_cast<uint16_t>(bs[4 * i + 2] + bs[4 * i + 3]);
+    return static_cast<int32_t>(even | (odd << 16));
+  }
+  using Scales = TileScales;
+  template <int G>
+  ALWAYS_INLINE static void superblock(const uint8_t* tb, const Scales& k, const int8_t* const* a,
+                                       const int32_t* const* xp, const float* dx, __m512* acc) {
+    tiled_superblock<G>(tb, k, a, xp, dx, acc);
+  }
+};
+struct Tile6 {
+  static constexpr int64_t bytes = kTile6SB, pairs = 8;
+  static int32_t pair(const int16_t* bs, int64_t i) {
+    const uint32_t even = static_cast<uint16_t>(bs[2 * i]), odd = static_cast<uint16_t>(bs[2 * i + 1]);
+    return static_cast<int32_t>(even | (odd << 16));
+  }
+  using Scales = Tile6Scales;
+  template <int G>
+  ALWAYS_INLINE static void superblock(const uint8_t* tb, const Scales& k, const int8_t* const* a,
+                                       const int32_t* const* xp, const float* dx, __m512* acc) {
+    tiled6_superblock<G>(tb, k, a, xp, dx, acc);
+  }
+};
+
+// y [T, ldy] (columns 0..N) = x @ W.T for tiled rows w of type TT: threads split the tiles, each
+// tile's super-blocks met by TILE_T activation rows at a time, 4 in registers at once.
+template <class TT>
+void tiled_matmul(const Q8K& xq, const uint8_t* w, int64_t N, float* y, int64_t ldy) {
+  const int64_t T = xq.T, nb = xq.K / QK_K, P = TT::pairs;
+  // Each pair of sub-blocks' activation sums (|sum| <= 32·128) as one i32: the even one's in the
+  // low 16 bits, the odd one's in the high (`_mm512_dpwssd_epi32`'s pairs).
+  std::vector<int32_t> xpair(T * nb * P);
+  for (int64_t sb = 0; sb < T * nb; ++sb)
+    for (int64_t i = 0; i < P; ++i) xpair[sb * P + i] = TT::pair(xq.bsums + 16 * sb, i);
+  hybridkv::claimed_for(N / 16, hybridkv::claim_items(nb * TT::bytes, 1), [&](int64_t i0, int64_t i1) {
     __m512 acc[TILE_T];
     const int8_t* a[4];
     const int32_t* xp[4];
     float dx[4];
     for (int64_t i = i0; i < i1; ++i) {
-      const uint8_t* tw = w + i * nb * kTileSB;
+      const uint8_t* tw = w + i * nb * TT::bytes;
       for (int64_t t0 = 0; t0 < T; t0 += TILE_T) {
         const int64_t n = std::min(TILE_T, T - t0);
         for (int64_t t = 0; t < n; ++t) acc[t] = _mm512_setzero_ps();
         for (int64_t b = 0; b < nb; ++b) {
-          const uint8_t* tb = tw + b * kTileSB;
+          const uint8_t* tb = tw + b * TT::bytes;
           // Many rows hold a tile long: its successor's super-block is fetched meanwhile.
           if (t0 == 0 && n > 4 && i + 1 < N / 16)
-            for (int64_t line = 0; line < kTileSB; line += 64)
-              _mm_prefetch(reinterpret_cast<const char*>(tb + nb * kTileSB + line), _MM_HINT_T1);
-          const TileScales k(tb);
+            for (int64_t line = 0; line < TT::bytes; line += 64)
+              _mm_prefetch(reinterpret_cast<const char*>(tb + nb * TT::bytes + line), _MM_HINT_T1);
+          const typename TT::Scales k(tb, n);
           for (int64_t t = 0; t < n; t += 4) {
             const int take = static_cast<int>(std::min<int64_t>(4, n - t));
             for (int j = 0; j < take; ++j) {
               const int64_t row = t0 + t + j;
-              a[j] = xq.q + row * xq.K + b * QK_K, xp[j] = &xpair[(row * nb + b) * 4], dx[j] = xq.d[row * nb + b];
+              a[j] = xq.q + row * xq.K + b * QK_K, xp[j] = &xpair[(row * nb + b) * P], dx[j] = xq.d[row * nb + b];
             }
             switch (take) {
-              case 4: tiled_superblock<4>(tb, k, a, xp, dx, acc + t); break;
-              case 3: tiled_superblock<3>(tb, k, a, xp, dx, acc + t); break;
-              case 2: tiled_superblock<2>(tb, k, a, xp, dx, acc + t); break;
-              default: tiled_superblock<1>(tb, k, a, xp, dx, acc + t); break;
+              case 4: TT::template superblock<4>(tb, k, a, xp, dx, acc + t); break;
+              case 3: TT::template superblock<3>(tb, k, a, xp, dx, acc + t); break;
+              case 2: TT::template superblock<2>(tb, k, a, xp, dx, acc + t); break;
+              default: TT::template superblock<1>(tb, k, a, xp, dx, acc + t); break;
             }
           }
         }
@@ -1778,6 +1965,12 @@ at::Tensor kq_dequantize_rows(const at::Tensor& w, const at::Tensor& ids_in, int
         dequantize_k4<Q4K>(q, dst);
         continue;
       }
+      if (ggml_type == kQ6KT) {
+        uint8_t q[Q6K::bytes];
+        untiled_block6(wp, nb, id[b / nb], b % nb, q);
+        dequantize_q6k(q, dst);
+        continue;
+      }
       switch (ggml_type) {
         case 10: dequantize_q2k(blk, dst); break;
         case 11: dequantize_q3k(blk, dst); break;
@@ -1798,6 +1991,7 @@ at::Tensor kq_superblock_sums(const at::Tensor& q_in, const at::Tensor& bsums_in
   const at::Tensor q = q_in.contiguous(), bsums = bsums_in.to(at::kShort).contiguous();
   const int64_t T = q.size(0), K = q.size(1), N = check_rows(w, K, ggml_type, "kq_superblock_sums");
   if (ggml_type == kQ4KT) return kq_superblock_sums(q, bsums, untiled(w), 12, isa);
+  if (ggml_type == kQ6KT) return kq_superblock_sums(q, bsums, tile_q6_k(w, true), 14, isa);
   TORCH_CHECK(bsums.numel() == T * K / 16, "kq_superblock_sums: bsums must be [T, K/16]");
   const Isa path = parse_isa(isa);
   at::Tensor out = at::empty({T, N, K / QK_K, 2}, q.options().dtype(at::kInt));
@@ -1819,9 +2013,15 @@ at::Tensor kq_superblock_sums(const at::Tensor& q_in, const at::Tensor& bsums_in
 void matmul_into(const Q8K& xq, const at::Tensor& w, int64_t N, int64_t ggml_type, Isa path, float* y, int64_t ldy) {
   if (ggml_type == kQ4KT) {
 #ifdef HYBRIDKV_TILED
-    if (path == Isa::Avx2) return tiled_matmul(xq, w.data_ptr<uint8_t>(), N, y, ldy);
+    if (path == Isa::Avx2) return tiled_matmul<Tile4>(xq, w.data_ptr<uint8_t>(), N, y, ldy);
 #endif
     return matmul_into(xq, untiled(w), N, 12, path, y, ldy);
+  }
+  if (ggml_type == kQ6KT) {
+#ifdef HYBRIDKV_TILED
+    if (path == Isa::Avx2) return tiled_matmul<Tile6>(xq, w.data_ptr<uint8_t>(), N, y, ldy);
+#endif
+    return matmul_into(xq, tile_q6_k(w, true), N, 14, path, y, ldy);
   }
   const auto args = std::make_tuple(std::cref(xq), w.data_ptr<uint8_t>(), N, y, ldy);
   const bool avx2 = path == Isa::Avx2;
@@ -1954,7 +2154,8 @@ at::Tensor kq_experts_matmul(const at::Tensor& x, const at::Tensor& w, const at:
   TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous(),
               "kq_experts_matmul: x must be [P, K] and w contiguous uint8 [E, N, row_bytes]");
   const int64_t P = x.size(0), K = x.size(1), E = w.size(0), N = w.size(1);
-  TORCH_CHECK(ggml_type != kQ4KT, "kq_experts_matmul: experts are not tiled (type ", kQ4KT, ")");
+  TORCH_CHECK(ggml_type != kQ4KT && ggml_type != kQ6KT, "kq_experts_matmul: experts are not tiled (types ", kQ4KT,
+              ", ", kQ6KT, ")");
   const int bytes = block_bytes(ggml_type);
   TORCH_CHECK(K % QK_K == 0 && w.size(2) == K / QK_K * bytes, "kq_experts_matmul: activations of ", K,
               " features need rows of ", K / QK_K * bytes, " bytes, got ", w.size(2));
@@ -2030,6 +2231,7 @@ TORCH_LIBRARY_FRAGMENT(hybridkv, m) {
   m.def("kq_dequantize_rows(Tensor w, Tensor ids, int ggml_type) -> Tensor");
   m.def("kq_repack_q4_k(Tensor rows, bool inverse) -> Tensor");
   m.def("kq_tile_q4_k(Tensor rows, bool inverse) -> Tensor");
+  m.def("kq_tile_q6_k(Tensor rows, bool inverse) -> Tensor");
   m.def("kq_tiled() -> bool", kq_tiled);  // whether this build has the tiled kernel
 }
 
@@ -2042,4 +2244,5 @@ TORCH_LIBRARY_IMPL(hybridkv, CPU, m) {
   m.impl("kq_experts_matmul", kq_experts_matmul);
   m.impl("kq_repack_q4_k", kq_repack_q4_k);
   m.impl("kq_tile_q4_k", tile_q4_k);
+  m.impl("kq_tile_q6_k", tile_q6_k);
 }

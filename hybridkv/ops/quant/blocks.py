@@ -251,11 +251,13 @@ def _k_pack_scales(sc: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
     return torch.cat([lo, hi, rest], dim=-1)
 
 
-def _tiles(rows: torch.Tensor) -> tuple[int, int]:
-    """(tiles, super-blocks a row) of Q4_K rows [N, nb·144] taken 16 at a time; ValueError otherwise."""
-    if rows.dim() != 2 or rows.shape[0] % 16 or rows.shape[1] % 144:
-        raise ValueError(f"Q4_K rows tile 16 at a time: need uint8 [16·n, nb·144], got {tuple(rows.shape)}")
-    return rows.shape[0] // 16, rows.shape[1] // 144
+def _tiles(rows: torch.Tensor, name: str = "Q4_K", block_bytes: int = 144) -> tuple[int, int]:
+    """(tiles, super-blocks a row) of K-quant rows [N, nb·block_bytes] taken 16 at a time;
+    ValueError otherwise."""
+    if rows.dim() != 2 or rows.shape[0] % 16 or rows.shape[1] % block_bytes:
+        need = f"need uint8 [16·n, nb·{block_bytes}], got {tuple(rows.shape)}"
+        raise ValueError(f"{name} rows tile 16 at a time: {need}")
+    return rows.shape[0] // 16, rows.shape[1] // block_bytes
 
 
 def tile_q4_k(rows: torch.Tensor) -> torch.Tensor:
@@ -294,6 +296,65 @@ def untile_q4_k(rows: torch.Tensor) -> torch.Tensor:
 def q4_k_t(blocks: torch.Tensor) -> torch.Tensor:
     """Tiled Q4_K blocks cannot be read a block at a time: `traits.dequantize` untiles whole rows."""
     raise ValueError("Q4_K_T blocks are tiled across 16 rows: dequantize them as rows (traits.dequantize)")
+
+
+def _q6_k_order() -> tuple[torch.Tensor, torch.Tensor]:
+    """Where a tiled Q6_K super-block's code groups take their weights: for group m's two nibble
+    vectors, weights [m, half (low, high nibble), n - 2m, i] (4n + i and 128 + 4n + i); for its top
+    bits, weights [m, k, i] (8m + i, 8m + 4 + i, 128 + 8m + i, 128 + 8m + 4 + i)."""
+    m, i = torch.arange(16)[:, None, None], torch.arange(4)
+    nib = torch.stack([8 * m + 4 * torch.arange(2)[:, None] + i, 128 + 8 * m + 4 * torch.arange(2)[:, None] + i], 1)
+    top = torch.stack([8 * m[:, 0] + i, 8 * m[:, 0] + 4 + i, 128 + 8 * m[:, 0] + i, 132 + 8 * m[:, 0] + i], 1)
+    return nib, top
+
+
+def tile_q6_k(rows: torch.Tensor) -> torch.Tensor:
+    """Q6_K rows uint8 [N, nb·210] (N a multiple of 16) → the same bytes tiled by 16 rows for the
+    16-lane kernel (`csrc/kquant.cpp`, `kQ6KT`): per tile and super-block, 3360 bytes: the 16 rows'
+    d (fp16), their scales (sub-block j's 16 at 32 + 16j), then 16 groups m of 192 bytes: two
+    vectors of low nibbles (row r's 4 bytes at 4r; byte i: weight 4n + i low, 128 + 4n + i high,
+    n = 2m, 2m + 1), one of top 2 bits (byte i, bits 2k: weights 8m + i, 8m + 4 + i, 128 + 8m + i,
+    132 + 8m + i)."""
+    tiles, nb = _tiles(rows, "Q6_K", 210)
+    b = rows.reshape(tiles, 16, nb, 210).transpose(1, 2).reshape(-1, 16, 210)  # [tiles·nb, row, 210]
+    codes = q6_k_codes(b.reshape(-1, 210)).view(-1, 16, 256)  # [.., row, weight]
+    nib_at, top_at = _q6_k_order()
+    nib = codes[:, :, nib_at.flatten()].view(-1, 16, 16, 2, 2, 4)  # [.., row, m, half, n', i]
+    nib = (nib[:, :, :, 0] & 15) | ((nib[:, :, :, 1] & 15) << 4)  # [.., row, m, n', i]
+    top = (codes[:, :, top_at.flatten()].view(-1, 16, 16, 4, 4) >> 4) << (2 * torch.arange(4))[:, None].to(torch.uint8)
+    top = top.sum(3, dtype=torch.uint8)  # [.., row, m, i]: the 4 fields are disjoint bits
+    groups = torch.cat([nib.permute(0, 2, 3, 1, 4), top[:, :, :, None].permute(0, 2, 3, 1, 4)], 2)  # [.., m, 3, row, 4]
+    scales = b[:, :, 192:208].transpose(1, 2)  # [.., j, row]
+    tile = torch.cat([b[:, :, 208:210].reshape(-1, 32), scales.reshape(-1, 256), groups.reshape(-1, 3072)], dim=-1)
+    return tile.reshape(rows.shape)
+
+
+def untile_q6_k(rows: torch.Tensor) -> torch.Tensor:
+    """`tile_q6_k` undone: the Q6_K rows, byte for byte."""
+    tiles, nb = _tiles(rows, "Q6_K", 210)
+    t = rows.reshape(-1, 3360)
+    groups = t[:, 288:].reshape(-1, 16, 3, 16, 4).permute(0, 3, 1, 2, 4)  # [.., row, m, 3, i]
+    nib_at, top_at = _q6_k_order()
+    codes = torch.zeros(t.shape[0], 16, 256, dtype=torch.uint8)
+    nib = groups[:, :, :, :2]  # [.., row, m, n', i]
+    codes[:, :, nib_at[:, 0].flatten()] = (nib & 15).reshape(-1, 16, 128)
+    codes[:, :, nib_at[:, 1].flatten()] = (nib >> 4).reshape(-1, 16, 128)
+    top = (groups[:, :, :, 2, None] >> (2 * torch.arange(4))[:, None].to(torch.uint8)) & 3  # [.., row, m, k, i]
+    codes[:, :, top_at.flatten()] |= (top << 4).reshape(-1, 16, 256)
+    # ggml's packing (`q6_k_codes` undone): weight 128h + 32i + l in ql[64h + l + 32(i & 1)] at
+    # bits 4(i >> 1) and qh[32h + l] at bits 2i
+    c = codes.view(-1, 16, 2, 4, 32)  # [.., row, h, i, l]
+    low, high = c & 15, c >> 4
+    ql = torch.cat([low[:, :, :, 0] | (low[:, :, :, 2] << 4), low[:, :, :, 1] | (low[:, :, :, 3] << 4)], -1)
+    qh = high[:, :, :, 0] | (high[:, :, :, 1] << 2) | (high[:, :, :, 2] << 4) | (high[:, :, :, 3] << 6)
+    scales = t[:, 32:288].reshape(-1, 16, 16).transpose(1, 2)  # [.., row, j]
+    b = torch.cat([ql.reshape(-1, 16, 128), qh.reshape(-1, 16, 64), scales, t[:, :32].reshape(-1, 16, 2)], -1)
+    return b.view(tiles, nb, 16, 210).transpose(1, 2).reshape(rows.shape)
+
+
+def q6_k_t(blocks: torch.Tensor) -> torch.Tensor:
+    """Tiled Q6_K blocks cannot be read a block at a time: `traits.dequantize` untiles whole rows."""
+    raise ValueError("Q6_K_T blocks are tiled across 16 rows: dequantize them as rows (traits.dequantize)")
 
 
 def q5_k(blocks: torch.Tensor) -> torch.Tensor:

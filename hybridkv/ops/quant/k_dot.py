@@ -41,7 +41,7 @@ class KType(NamedTuple):
 
 
 # Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, and Q4_K repacked or tiled at load (`blocks.repack_q4_k`,
-# `blocks.tile_q4_k`; hybridkv's ids, not ggml's)
+# `blocks.tile_q4_k`; hybridkv's ids, not ggml's), and Q6_K tiled (`blocks.tile_q6_k`)
 K_TYPES = {
     10: KType(10, 84, 16),
     11: KType(11, 110, 16),
@@ -50,9 +50,11 @@ K_TYPES = {
     14: KType(14, 210, 16),
     1012: KType(1012, 144, 8),
     1013: KType(1013, 144, 8),
+    1014: KType(1014, 210, 16),
 }
 Q4_K_R = 1012
 Q4_K_T = 1013
+Q6_K_T = 1014
 
 
 class Q8KRows(NamedTuple):
@@ -99,6 +101,8 @@ def split_k(rows: torch.Tensor, ggml_id: int) -> KRows:
         rows, ggml_id = blocks.unrepack_q4_k(rows), 12
     if ggml_id == Q4_K_T:
         rows, ggml_id = blocks.untile_q4_k(rows), 12
+    if ggml_id == Q6_K_T:
+        rows, ggml_id = blocks.untile_q6_k(rows), 14
     kt = K_TYPES[ggml_id]
     N = rows.shape[0]
     b = rows.reshape(-1, kt.block_bytes)
@@ -226,8 +230,14 @@ def native_tile_q4_k(rows: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     return _ops().kq_tile_q4_k(rows, inverse)
 
 
+def native_tile_q6_k(rows: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """`blocks.tile_q6_k` (or `untile_q6_k`, inverse) by the C++ kernel: the same bytes."""
+    return _ops().kq_tile_q6_k(rows, inverse)
+
+
 def native_tiles_q4_k() -> bool:
-    """Whether the C++ kernels have the 16-lane product on tiled Q4_K (AVX-512 VNNI and VBMI)."""
+    """Whether the C++ kernels have the 16-lane products on tiled Q4_K and Q6_K (AVX-512 VNNI and
+    VBMI)."""
     return bool(_ops().kq_tiled())
 
 

@@ -59,6 +59,8 @@ class GGMLType(IntEnum):
     # Q4_K tiled by 16 rows at load for the 16-lane kernel (`blocks.tile_q4_k`): 2-D weights whose
     # row count is a multiple of 16, on CPUs with AVX-512 VNNI and VBMI.
     Q4_K_T = 1013
+    # Q6_K tiled likewise (`blocks.tile_q6_k`)
+    Q6_K_T = 1014
 
 
 BlockFn = Callable[[torch.Tensor], torch.Tensor]
@@ -122,10 +124,11 @@ TRAITS: dict[GGMLType, BlockType] = {
         BlockType(_T.Q6_K, 256, 210, blocks.q6_k, _T.Q8_K, k_dot.k_matmul(_T.Q6_K)),
         BlockType(_T.Q4_K_R, 256, 144, blocks.q4_k_r, _T.Q8_K, k_dot.k_matmul(_T.Q4_K_R)),
         BlockType(_T.Q4_K_T, 256, 144, blocks.q4_k_t, _T.Q8_K, k_dot.k_matmul(_T.Q4_K_T)),
+        BlockType(_T.Q6_K_T, 256, 210, blocks.q6_k_t, _T.Q8_K, k_dot.k_matmul(_T.Q6_K_T)),
     )
 }
 # Types that exist only in memory: never read from or written to a file.
-IN_MEMORY = frozenset({GGMLType.Q4_K_R, GGMLType.Q4_K_T})
+IN_MEMORY = frozenset({GGMLType.Q4_K_R, GGMLType.Q4_K_T, GGMLType.Q6_K_T})
 
 
 class UnsupportedTypeError(ValueError):
@@ -158,6 +161,8 @@ def dequantize(rows: torch.Tensor, type_id: int | GGMLType, out: torch.Tensor | 
         raise TypeError(f"{t.name} rows must be uint8 block bytes, not {rows.dtype}")
     if t.ggml_type == GGMLType.Q4_K_T:  # whole tiles of 16 rows: untiled first
         return dequantize(blocks.untile_q4_k(rows), GGMLType.Q4_K, out)
+    if t.ggml_type == GGMLType.Q6_K_T:
+        return dequantize(blocks.untile_q6_k(rows), GGMLType.Q6_K, out)
     *lead, row_bytes = rows.shape
     row_elems = t.row_elems(row_bytes)
     if out is None and t.ggml_type == GGMLType.F32:
