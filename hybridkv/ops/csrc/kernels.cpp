@@ -1635,7 +1635,10 @@ at::Tensor attention_decode_impl(const at::Tensor& qkv, const at::Tensor& q_norm
       }
       w_of.resize(R_pad);
       acc_of.resize(R_pad);
-      const int64_t tiles = (R + ATT_RT - 1) / ATT_RT, calls = Hkv * tiles;  // weigh calls a run
+      // Many rows (`transposed`) take 2 * ATT_RT rows a tile over half as many vectors of
+      // values: each value vector loaded once for twice the rows.
+      const int64_t wide = transposed ? 2 * ATT_RT : ATT_RT;
+      const int64_t tiles = (R + wide - 1) / wide, calls = Hkv * tiles;  // weigh calls a run
       for (int64_t pr = p0; pr < p1; pr += ATT_RUN) {
         const int64_t pe = std::min(p1, pr + ATT_RUN), np = pe - pr;
         // The next run's values into L2, a slice before each (head, rows) call of this one.
@@ -1651,17 +1654,21 @@ at::Tensor attention_decode_impl(const at::Tensor& qkv, const at::Tensor& q_norm
             acc_of[r] = r < R ? acc + head_of(r, g) * hd : spare.data();
           }
           for (int64_t r = 0, rt; r < R; r += rt) {
-            rt = tile_rows(r);
+            rt = transposed && R - r >= wide ? wide : tile_rows(r);
             fetch_next();
-            auto weigh = [&](auto tile) {
+            auto weigh = [&](auto tile, auto vectors) {
+              constexpr int V = decltype(vectors)::value;
               int64_t d = 0;
-              for (; d + ATT_VD * LANES <= hd; d += ATT_VD * LANES)
-                weigh_tile<decltype(tile)::value, ATT_VD>(w_of.data() + r, rows.data(), np, d, acc_of.data() + r);
+              for (; d + V * LANES <= hd; d += V * LANES)
+                weigh_tile<decltype(tile)::value, V>(w_of.data() + r, rows.data(), np, d, acc_of.data() + r);
               for (; d + LANES <= hd; d += LANES)
                 weigh_tile<decltype(tile)::value, 1>(w_of.data() + r, rows.data(), np, d, acc_of.data() + r);
               return d;
             };
-            const int64_t d = rt == ATT_RT ? weigh(std::integral_constant<int, ATT_RT>{}) : weigh(std::integral_constant<int, 2>{});
+            using VD = std::integral_constant<int, ATT_VD>;
+            const int64_t d = rt == 2 * ATT_RT ? weigh(std::integral_constant<int, 2 * ATT_RT>{}, std::integral_constant<int, std::max(1, ATT_VD / 2)>{})
+                              : rt == ATT_RT   ? weigh(std::integral_constant<int, ATT_RT>{}, VD{})
+                                               : weigh(std::integral_constant<int, 2>{}, VD{});
             for (int a = 0; a < rt && r + a < R; ++a)
               for (int64_t p = 0; p < np; ++p)
                 for (int64_t i = d; i < hd; ++i) acc_of[r + a][i] += w_of[r + a][p] * scalar(rows[p][i]);
