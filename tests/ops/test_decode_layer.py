@@ -27,8 +27,8 @@ GGUF = Path(__file__).parents[1] / "data" / "gguf"
 def _program(cm: CachedModel) -> tuple[list[torch.Tensor], list[int]]:
     """Prefill two sequences, decode them together (snapshots every 2 tokens), fork one, decode
     three, truncate the second to a snapshot and feed it 3 tokens at once, then prefill a fourth
-    sequence with 40: every logits row produced, and the second sequence's tokens (the 3-token
-    feed's rows are out[-2])."""
+    sequence with 40 tokens and a fifth and sixth together with 17 and 19: every logits row
+    produced, and the second sequence's tokens (the 3-token feed's rows are out[-4])."""
     gen = torch.Generator().manual_seed(1)
     V = cm.vocab_size
 
@@ -51,6 +51,9 @@ def _program(cm: CachedModel) -> tuple[list[torch.Tensor], list[int]]:
     out.append(cm.feed({b: ids(3)}, logits="all")[b])
     d = cm.new_sequence()  # a chunk past FEW_ROWS: block-quantized layers still run in C++ (CHUNK_ROWS)
     out.append(cm.feed({d: ids(40)}, logits="all")[d])
+    e, f = cm.new_sequence(), cm.new_sequence()  # two sequences' chunks in one forward of 36 tokens
+    rows = cm.feed({e: ids(17), f: ids(19)}, logits="all")
+    out += [rows[e], rows[f]]
     cm.cache.check_integrity()
     return out, cm.tokens(b)
 
@@ -98,12 +101,12 @@ def test_qwen3_next_layers_in_one_call_equal_op_by_op(
     layers = len(one.model.layers)
     # the 18-token prefill, 4 + 3 decode steps and the 3-token feed: each a forward of <= 32 tokens;
     # with bfloat16 weights only decode steps have float32 activations, the rest run op by op; the
-    # 40-token prefill too (a Qwen3-Next's layers are expert layers: not past FEW_ROWS)
+    # 40- and 36-token prefills too (a Qwen3-Next's layers are expert layers: not past FEW_ROWS)
     forwards = 4 + 3 if dtype == torch.bfloat16 else 1 + 4 + 3 + 1
     assert (calls, none) == (forwards * layers, 0)
     _assert_same(fused, op_by_op)
     if dtype == torch.float32 and quantize is None:  # the fused path is also transformers'
-        seq_rows = fused[-2]
+        seq_rows = fused[-4]
         assert max_rel_err(seq_rows, hf_logits(hf, tokens)[-3:]) <= 1e-4
 
 
@@ -121,18 +124,19 @@ def test_qwen35_layers_in_one_call_equal_op_by_op(
     assert all(plan is not None and plan.usable for plan in plans)
     assert all(plan is not None and plan.with_ffn for plan in plans)
     op_by_op, _, _ = _run(two, False, monkeypatch)
-    # the 40-token prefill in C++ too where every projection is block-quantized and dense (CHUNK_ROWS)
-    assert calls == (10 if quantize is not None and not moe else 9) * len(plans)
+    # the 40- and 36-token prefills in C++ too where every projection is block-quantized and dense (CHUNK_ROWS)
+    assert calls == (11 if quantize is not None and not moe else 9) * len(plans)
     _assert_same(fused, op_by_op)
     if quantize is None:
-        assert max_rel_err(fused[-2], qwen35_logits(hf, tokens)[-3:]) <= 1e-4
+        assert max_rel_err(fused[-4], qwen35_logits(hf, tokens)[-3:]) <= 1e-4
     elif not moe:  # the 40 tokens as before CHUNK_ROWS: op by op past FEW_ROWS, SDPA's attention
         monkeypatch.setattr(qwen3_next, "CHUNK_ROWS", qwen3_next.FEW_ROWS)
         three, _ = _load_both(save_qwen35(hf, tmp_path / "sdpa"), quantize=quantize)
         sdpa, _, short = _run(three, True, monkeypatch)
         assert short == 9 * len(plans)
-        _assert_same(fused[:-1], sdpa[:-1])
-        assert max_rel_err(fused[-1], sdpa[-1]) <= 1e-5  # 1.5e-7 here
+        _assert_same(fused[:-3], sdpa[:-3])
+        for got, want in zip(fused[-3:], sdpa[-3:], strict=True):
+            assert max_rel_err(got, want) <= 1e-5
 
 
 @pytest.mark.parametrize(
@@ -154,8 +158,8 @@ def test_llama_cpp_files_layers_in_one_call_equal_op_by_op(name: str, monkeypatc
     assert all(plan is not None and plan.usable and plan.with_ffn for plan in plans), [
         (plan.usable, plan.with_ffn) for plan in plans if plan is not None
     ]
-    # the 40-token prefill too where the layers are dense (CHUNK_ROWS)
-    assert calls == (9 if "moe" in name or "next" in name else 10) * len(plans)
+    # the 40- and 36-token prefills too where the layers are dense (CHUNK_ROWS)
+    assert calls == (9 if "moe" in name or "next" in name else 11) * len(plans)
     op_by_op, _, _ = _run(two, False, monkeypatch)
     _assert_same(fused, op_by_op)
 
@@ -183,7 +187,7 @@ def test_a_projection_without_one_kernel_runs_op_by_op(tmp_path: Path, monkeypat
     rows, tokens, calls = _run(cm, True, monkeypatch)
     assert calls == 0
     assert all(not layer._native_plan.usable for layer in cm.model.layers)
-    assert max_rel_err(rows[-2], hf_logits(hf, tokens)[-3:]) <= 1e-4
+    assert max_rel_err(rows[-4], hf_logits(hf, tokens)[-3:]) <= 1e-4
 
 
 def test_a_bad_plan_is_an_error_naming_it_and_changes_no_cache() -> None:
