@@ -52,11 +52,12 @@ if TYPE_CHECKING:
     from hybridkv.models.mtp import MTPBlock, MTPHidden
 
 
-# A forward of up to this many tokens whose layers are dense with block-quantized projections
-# runs them in C++ (`native.decode_layer`: attention read from the paged pools in place, no
-# gather, no Python between the kernels), as a decode step does up to FEW_ROWS. On the 0.8B
-# shape's Q4_K_M file, onto ~1,200 held tokens, against op by op (2 threads): 56 tokens (a chat
-# turn) 1.11x, 100 and 128 1.08x, 256 1.03x, 512 0.96x (there SDPA's attention is the faster).
+# A forward of up to this many tokens whose layers' projections and experts are all
+# block-quantized runs them in C++ (`native.decode_layer`: attention read from the paged pools in
+# place, no gather, no Python between the kernels), as a decode step does up to FEW_ROWS; expert
+# layers up to PAIRS_ROWS // top_k (64 at top-8). Against op by op, onto ~1,200 held tokens (2
+# threads): the 0.8B shape's Q4_K_M file at 56 tokens (a chat turn) 1.11x, 100 and 128 1.08x,
+# 256 1.03x, 512 0.96x (there SDPA's attention is the faster); moe-mini's at 56 tokens 1.06x.
 # Float projections keep FEW_ROWS: past it their products go to MKL either way.
 CHUNK_ROWS = 128
 
@@ -446,9 +447,9 @@ def _build_plan(layer: DecoderLayer, next_norm: RMSNorm) -> NativePlan:
         ints += [f.top_k, int(f.norm_topk_prob), f.E]
         add(f.gate_in, f.gate_up, f.down, f.shared_down)
     with_ffn = dense or moe or block_moe
-    # CHUNK_ROWS for dense layers of block-quantized projections only: past FEW_ROWS tokens an
-    # expert layer's Python routes its (token, expert) pairs by another path than the C++ one
-    max_tokens = CHUNK_ROWS if dense and not floats else FEW_ROWS
+    # CHUNK_ROWS for layers of block-quantized projections (experts of blocks too: their pairs in
+    # one call per part, up to PAIRS_ROWS, as the Python takes them)
+    max_tokens = CHUNK_ROWS if (dense or block_moe) and not floats else FEW_ROWS
     if isinstance(f, SparseMoE) and block_moe:  # every pair in one call per part (PAIRS_ROWS)
         max_tokens = min(max_tokens, PAIRS_ROWS // f.top_k)
     if with_ffn:

@@ -124,8 +124,8 @@ def test_qwen35_layers_in_one_call_equal_op_by_op(
     assert all(plan is not None and plan.usable for plan in plans)
     assert all(plan is not None and plan.with_ffn for plan in plans)
     op_by_op, _, _ = _run(two, False, monkeypatch)
-    # the 40- and 36-token prefills in C++ too where every projection is block-quantized and dense (CHUNK_ROWS)
-    assert calls == (11 if quantize is not None and not moe else 9) * len(plans)
+    # the 40- and 36-token prefills in C++ too where every projection is block-quantized (CHUNK_ROWS)
+    assert calls == (11 if quantize is not None else 9) * len(plans)
     _assert_same(fused, op_by_op)
     if quantize is None:
         assert max_rel_err(fused[-4], qwen35_logits(hf, tokens)[-3:]) <= 1e-4
@@ -158,8 +158,9 @@ def test_llama_cpp_files_layers_in_one_call_equal_op_by_op(name: str, monkeypatc
     assert all(plan is not None and plan.usable and plan.with_ffn for plan in plans), [
         (plan.usable, plan.with_ffn) for plan in plans if plan is not None
     ]
-    # the 40- and 36-token prefills too where the layers are dense (CHUNK_ROWS)
-    assert calls == (9 if "moe" in name or "next" in name else 11) * len(plans)
+    # the 40- and 36-token prefills too (CHUNK_ROWS), but where a projection stays float (the tiny
+    # MoE file's shared expert down: rows too narrow for its blocks)
+    assert calls == (9 if name == "qwen35moe-tiny-q8_0.gguf" else 11) * len(plans)
     op_by_op, _, _ = _run(two, False, monkeypatch)
     _assert_same(fused, op_by_op)
 

@@ -66,6 +66,15 @@ def block_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
 Part = QuantizedWeight | torch.Tensor
 
 
+def _float_part(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w for a float part of a projection: float32 by `native.rows_matmul` at any row count
+    (its kernel, MKL's GEMM past FEW_ROWS), the call `native.decode_layer` makes for it, so that
+    a layer run op by op gives its numbers (an expert layer's router past 32 tokens); else `mm`."""
+    if x.dtype == w.dtype == torch.float32 and w.dim() == 2 and native.enabled(x, w):
+        return native.rows_matmul(x, w)
+    return mm(x, w)
+
+
 def _part_out(part: Part) -> int:
     return part.shape[-2] if isinstance(part, QuantizedWeight) else part.shape[-1]
 
@@ -131,7 +140,7 @@ class QuantLinear:
                 return native_k_matmul_parts(x.float(), *self.k_parts).to(x.dtype)
             if self.q8_part is not None:
                 return native_q8_matmul(x.float(), *self.q8_part).to(x.dtype)
-        ys = [block_matmul(x, p) if isinstance(p, QuantizedWeight) else mm(x, p) for p in self.parts]
+        ys = [block_matmul(x, p) if isinstance(p, QuantizedWeight) else _float_part(x, p) for p in self.parts]
         y = ys[0] if len(ys) == 1 else torch.cat([y.float() for y in ys], dim=-1)
         return y.to(x.dtype)
 
