@@ -507,7 +507,9 @@ class Qwen3NextModel(nn.Module):
             x = x.float()
         cos, sin = self.rope(batch.positions, x.dtype)
         layers = cast(list[DecoderLayer], list(self.layers))
-        if len(layers) > 0 and batch.num_tokens <= self._native_rows(layers) and native.enabled(x):
+        # (a decode step never walks the plans for `_native_rows`: FEW_ROWS is always in)
+        rows = batch.num_tokens
+        if len(layers) > 0 and (rows <= FEW_ROWS or rows <= self._native_rows(layers)) and native.enabled(x):
             # A decode step, a verify or (block-quantized, `CHUNK_ROWS`) a short chunk: each
             # residual add taken with the norm after it (the next layer's input norm; the final
             # norm after the last layer), half the per-layer ops around the kernels.

@@ -1579,9 +1579,10 @@ at::Tensor tile_q4_k(const at::Tensor& rows, bool inverse) {
   return tile_rows<144>(rows, inverse, "kq_tile_q4_k", tile_block);
 }
 
-// Row `row`'s Q4_K block b from tiled rows w (nb super-blocks a row) into q.
-inline void untiled_block(const uint8_t* w, int64_t nb, int64_t row, int64_t b, uint8_t* q) {
-  tile_block(const_cast<uint8_t*>(w + ((row / 16) * nb + b) * kTileSB), q, static_cast<int>(row % 16), true);
+// Row `row`'s block b (`bytes` each, nb a row) from rows w tiled by `move` (tile_block, tile_block6) into q.
+template <int bytes, class Move>
+inline void untiled_block(const uint8_t* w, int64_t nb, int64_t row, int64_t b, uint8_t* q, Move move) {
+  move(const_cast<uint8_t*>(w + ((row / 16) * nb + b) * 16 * bytes), q, static_cast<int>(row % 16), true);
 }
 
 // Q6_K tiled by 16 rows (kQ6KT), built at load from the file's rows as Q4_K's tiles are: per
@@ -1656,11 +1657,6 @@ void tile_block6(uint8_t* t, uint8_t* q, int r, bool inverse) {
 
 at::Tensor tile_q6_k(const at::Tensor& rows, bool inverse) {
   return tile_rows<210>(rows, inverse, "kq_tile_q6_k", tile_block6);
-}
-
-// Row `row`'s Q6_K block b from tiled rows w (nb super-blocks a row) into q.
-inline void untiled_block6(const uint8_t* w, int64_t nb, int64_t row, int64_t b, uint8_t* q) {
-  tile_block6(const_cast<uint8_t*>(w + ((row / 16) * nb + b) * kTile6SB), q, static_cast<int>(row % 16), true);
 }
 
 #if defined(HYBRIDKV_ZMM) && defined(__AVX512VBMI__)
@@ -1961,13 +1957,13 @@ at::Tensor kq_dequantize_rows(const at::Tensor& w, const at::Tensor& ids_in, int
       float* dst = op + b * QK_K;
       if (ggml_type == kQ4KT) {
         uint8_t q[144];
-        untiled_block(wp, nb, id[b / nb], b % nb, q);
+        untiled_block<144>(wp, nb, id[b / nb], b % nb, q, tile_block);
         dequantize_k4<Q4K>(q, dst);
         continue;
       }
       if (ggml_type == kQ6KT) {
         uint8_t q[Q6K::bytes];
-        untiled_block6(wp, nb, id[b / nb], b % nb, q);
+        untiled_block<Q6K::bytes>(wp, nb, id[b / nb], b % nb, q, tile_block6);
         dequantize_q6k(q, dst);
         continue;
       }
