@@ -16,6 +16,7 @@ from test_quant import gguf_dequantize, random_rows
 from hybridkv.ops import native
 from hybridkv.ops.quant import GGMLType, QuantizedWeight, block_type, int8_dot, k_dot
 from hybridkv.ops.quant import blocks as block_fns
+from hybridkv.ops.quant.linear import QuantExperts
 from hybridkv.ops.quant.weight import for_kernels
 
 K_QUANTS = [GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
@@ -527,8 +528,47 @@ def test_k_quants_are_tiled_where_the_16_lane_kernel_runs_and_rows_allow(
     assert for_kernels(QuantizedWeight.of(rows, file_t)).btype.name == (tiled if k_dot.native_tiles_q4_k() else kept)
     assert for_kernels(QuantizedWeight.of(rows[:24], file_t)).btype.name == kept  # 24 rows
     assert for_kernels(QuantizedWeight.of(rows, file_t), tile=False).btype.name == kept  # an embedding
+    experts = QuantizedWeight(rows.view(2, 16, -1), block_type(file_t), (2, 16, 512))  # each expert's rows tiled
+    assert for_kernels(experts).btype.name == (tiled if k_dot.native_tiles_q4_k() else kept)
+    assert for_kernels(QuantizedWeight(rows[:24].view(3, 8, -1), block_type(file_t), (3, 8, 512))).btype.name == kept
+    if k_dot.native_tiles_q4_k():
+        tiled_experts = for_kernels(experts).blocks
+        for e in range(2):
+            assert torch.equal(
+                block_fns.untile_q4_k(tiled_experts[e])
+                if file_t == GGMLType.Q4_K
+                else block_fns.untile_q6_k(tiled_experts[e]),
+                rows.view(2, 16, -1)[e],
+            )
     native_tile = getattr(k_dot, f"native_tile_{file_t.name.lower()}")
-    with pytest.raises(RuntimeError, match="experts are not tiled"):
+    with pytest.raises(RuntimeError, match="multiple of 16 rows each"):
         k_dot.native_k_experts_matmul(
-            torch.randn(1, 512), native_tile(rows).view(2, 16, -1), torch.tensor([0]), GGMLType[tiled]
+            torch.randn(1, 512), native_tile(rows).view(4, 8, -1), torch.tensor([0]), GGMLType[tiled]
         )
+
+
+@pytest.mark.skipif(native.kernels() is None, reason="C++ kernels could not be built here")
+@pytest.mark.parametrize(("file_t", "tiled_t", "tile"), TILED, ids=lambda v: getattr(v, "name", ""))
+def test_tiled_experts_matmul_equals_each_tokens_product_on_its_expert(
+    file_t: GGMLType, tiled_t: GGMLType, tile: Callable[[torch.Tensor], torch.Tensor]
+) -> None:
+    """Experts tiled at load (each expert's 32 rows: two tiles): expert 0 meets 70 tokens (two
+    TILE_T passes), expert 1 two, expert 2 one, experts 3 and 4 seven and five (4 + 3, 4 + 1 rows in
+    registers), expert 5 none; the same numbers on every path (the untiled kernels where the 16-lane
+    one is not built)."""
+    E, N, K = 6, 32, 512
+    rows = np.stack([weight_rows(file_t, N, K, seed=e) for e in range(E)])
+    ids = torch.tensor([0] * 33 + [1, 2] + [3, 4] * 5 + [0] * 37 + [3, 1, 3])
+    x = activations(len(ids), K, seed=6)
+    want = torch.cat(
+        [torch.from_numpy(emulate(x[p : p + 1].numpy(), rows[e], file_t)[2]) for p, e in enumerate(ids.tolist())]
+    )
+    w = tile(torch.from_numpy(rows))
+    assert torch.equal(w[3], tile(torch.from_numpy(rows[3])))  # each expert tiled as its own rows
+    for isa in k_dot.available_isas():
+        assert_close(k_dot.native_k_experts_matmul(x, w, ids, tiled_t, isa), want, rel=1e-6)
+    experts = QuantExperts((QuantizedWeight(w, block_type(tiled_t), (E, N, K)),))
+    assert_close(experts.pairs_matmul(x, ids), want, rel=1e-6)
+    assert_close(
+        experts.expert(4).matmul(x[:3]), torch.from_numpy(emulate(x[:3].numpy(), rows[4], file_t)[2]), rel=1e-6
+    )

@@ -1826,49 +1826,86 @@ struct Tile6 {
   }
 };
 
-// y [T, ldy] (columns 0..N) = x @ W.T for tiled rows w of type TT: threads split the tiles, each
-// tile's super-blocks met by TILE_T activation rows at a time, 4 in registers at once.
+// Each pair of sub-blocks' activation sums (|sum| <= 32·128) as one i32: the even one's in the low
+// 16 bits, the odd one's in the high (`_mm512_dpwssd_epi32`'s pairs), P a super-block.
+template <class TT>
+std::vector<int32_t> tile_pairs(const Q8K& xq) {
+  const int64_t sbs = xq.T * (xq.K / QK_K), P = TT::pairs;
+  std::vector<int32_t> xpair(sbs * P);
+  for (int64_t sb = 0; sb < sbs; ++sb)
+    for (int64_t i = 0; i < P; ++i) xpair[sb * P + i] = TT::pair(xq.bsums + 16 * sb, i);
+  return xpair;
+}
+
+// One tile of 16 rows (tw, its nb super-blocks) against activation rows rows[0..n): y + rows[t]·ldy
+// gets row rows[t]'s 16 products. The rows' super-blocks are met TILE_T at a time, 4 in registers
+// at once; with many rows, the super-blocks of `ahead` (the next tile, or nullptr) are fetched meanwhile.
+template <class TT>
+ALWAYS_INLINE void tile_product(const Q8K& xq, const int32_t* xpair, const uint8_t* tw, const int64_t* rows,
+                                int64_t n_rows, float* y, int64_t ldy, const uint8_t* ahead) {
+  const int64_t nb = xq.K / QK_K, P = TT::pairs;
+  __m512 acc[TILE_T];
+  const int8_t* a[4];
+  const int32_t* xp[4];
+  float dx[4];
+  for (int64_t t0 = 0; t0 < n_rows; t0 += TILE_T) {
+    const int64_t n = std::min(TILE_T, n_rows - t0);
+    for (int64_t t = 0; t < n; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* tb = tw + b * TT::bytes;
+      // Many rows hold a tile long: the next tile's super-block is fetched meanwhile.
+      if (t0 == 0 && n > 4 && ahead != nullptr)
+        for (int64_t line = 0; line < TT::bytes; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(ahead + b * TT::bytes + line), _MM_HINT_T1);
+      const typename TT::Scales k(tb, n);
+      for (int64_t t = 0; t < n; t += 4) {
+        const int take = static_cast<int>(std::min<int64_t>(4, n - t));
+        for (int j = 0; j < take; ++j) {
+          const int64_t row = rows[t0 + t + j];
+          a[j] = xq.q + row * xq.K + b * QK_K, xp[j] = &xpair[(row * nb + b) * P], dx[j] = xq.d[row * nb + b];
+        }
+        switch (take) {
+          case 4: TT::template superblock<4>(tb, k, a, xp, dx, acc + t); break;
+          case 3: TT::template superblock<3>(tb, k, a, xp, dx, acc + t); break;
+          case 2: TT::template superblock<2>(tb, k, a, xp, dx, acc + t); break;
+          default: TT::template superblock<1>(tb, k, a, xp, dx, acc + t); break;
+        }
+      }
+    }
+    for (int64_t t = 0; t < n; ++t) _mm512_storeu_ps(y + rows[t0 + t] * ldy, acc[t]);
+  }
+}
+
+// y [T, ldy] (columns 0..N) = x @ W.T for tiled rows w of type TT: threads split the tiles.
 template <class TT>
 void tiled_matmul(const Q8K& xq, const uint8_t* w, int64_t N, float* y, int64_t ldy) {
-  const int64_t T = xq.T, nb = xq.K / QK_K, P = TT::pairs;
-  // Each pair of sub-blocks' activation sums (|sum| <= 32·128) as one i32: the even one's in the
-  // low 16 bits, the odd one's in the high (`_mm512_dpwssd_epi32`'s pairs).
-  std::vector<int32_t> xpair(T * nb * P);
-  for (int64_t sb = 0; sb < T * nb; ++sb)
-    for (int64_t i = 0; i < P; ++i) xpair[sb * P + i] = TT::pair(xq.bsums + 16 * sb, i);
-  hybridkv::claimed_for(N / 16, hybridkv::claim_items(nb * TT::bytes, 1), [&](int64_t i0, int64_t i1) {
-    __m512 acc[TILE_T];
-    const int8_t* a[4];
-    const int32_t* xp[4];
-    float dx[4];
-    for (int64_t i = i0; i < i1; ++i) {
-      const uint8_t* tw = w + i * nb * TT::bytes;
-      for (int64_t t0 = 0; t0 < T; t0 += TILE_T) {
-        const int64_t n = std::min(TILE_T, T - t0);
-        for (int64_t t = 0; t < n; ++t) acc[t] = _mm512_setzero_ps();
-        for (int64_t b = 0; b < nb; ++b) {
-          const uint8_t* tb = tw + b * TT::bytes;
-          // Many rows hold a tile long: its successor's super-block is fetched meanwhile.
-          if (t0 == 0 && n > 4 && i + 1 < N / 16)
-            for (int64_t line = 0; line < TT::bytes; line += 64)
-              _mm_prefetch(reinterpret_cast<const char*>(tb + nb * TT::bytes + line), _MM_HINT_T1);
-          const typename TT::Scales k(tb, n);
-          for (int64_t t = 0; t < n; t += 4) {
-            const int take = static_cast<int>(std::min<int64_t>(4, n - t));
-            for (int j = 0; j < take; ++j) {
-              const int64_t row = t0 + t + j;
-              a[j] = xq.q + row * xq.K + b * QK_K, xp[j] = &xpair[(row * nb + b) * P], dx[j] = xq.d[row * nb + b];
-            }
-            switch (take) {
-              case 4: TT::template superblock<4>(tb, k, a, xp, dx, acc + t); break;
-              case 3: TT::template superblock<3>(tb, k, a, xp, dx, acc + t); break;
-              case 2: TT::template superblock<2>(tb, k, a, xp, dx, acc + t); break;
-              default: TT::template superblock<1>(tb, k, a, xp, dx, acc + t); break;
-            }
-          }
-        }
-        for (int64_t t = 0; t < n; ++t) _mm512_storeu_ps(y + (t0 + t) * ldy + 16 * i, acc[t]);
-      }
+  const int64_t T = xq.T, tile_bytes = xq.K / QK_K * TT::bytes;
+  const std::vector<int32_t> xpair = tile_pairs<TT>(xq);
+  std::vector<int64_t> rows(T);
+  for (int64_t t = 0; t < T; ++t) rows[t] = t;
+  hybridkv::claimed_for(N / 16, hybridkv::claim_items(tile_bytes, 1), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i)
+      tile_product<TT>(xq, xpair.data(), w + i * tile_bytes, rows.data(), T, y + 16 * i, ldy,
+                       i + 1 < N / 16 ? w + (i + 1) * tile_bytes : nullptr);
+  });
+}
+
+// y [P, N]: row p of x times expert ids[p]'s tiled rows, w [E, N, ·] (N a multiple of 16): threads
+// split each expert's tiles, every tile met once by all the rows routed to its expert.
+template <class TT>
+void tiled_experts(const Q8K& xq, const uint8_t* w, const int64_t* ids, int64_t N, float* y) {
+  const int64_t tile_bytes = xq.K / QK_K * TT::bytes, tiles = N / 16;
+  const std::vector<int32_t> xpair = tile_pairs<TT>(xq);
+  std::vector<int64_t> pairs, start;
+  hybridkv::group_by_expert(ids, xq.T, pairs, start);
+  const int64_t G = static_cast<int64_t>(start.size()) - 1;
+  auto tile_at = [&](int64_t g, int64_t i) { return w + (ids[pairs[start[g]]] * tiles + i) * tile_bytes; };
+  hybridkv::claimed_for(G * tiles, hybridkv::claim_items(tile_bytes, 1), [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t g = u / tiles, i = u % tiles;
+      const uint8_t* ahead = i + 1 < tiles ? tile_at(g, i + 1) : g + 1 < G ? tile_at(g + 1, 0) : nullptr;
+      tile_product<TT>(xq, xpair.data(), tile_at(g, i), pairs.data() + start[g], start[g + 1] - start[g], y + 16 * i,
+                       N, ahead);
     }
   });
 }
@@ -2150,8 +2187,9 @@ at::Tensor kq_experts_matmul(const at::Tensor& x, const at::Tensor& w, const at:
   TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous(),
               "kq_experts_matmul: x must be [P, K] and w contiguous uint8 [E, N, row_bytes]");
   const int64_t P = x.size(0), K = x.size(1), E = w.size(0), N = w.size(1);
-  TORCH_CHECK(ggml_type != kQ4KT && ggml_type != kQ6KT, "kq_experts_matmul: experts are not tiled (types ", kQ4KT,
-              ", ", kQ6KT, ")");
+  const bool tiled = ggml_type == kQ4KT || ggml_type == kQ6KT;
+  TORCH_CHECK(!tiled || N % 16 == 0, "kq_experts_matmul: tiled experts (types ", kQ4KT, ", ", kQ6KT,
+              ") hold a multiple of 16 rows each, got ", N);
   const int bytes = block_bytes(ggml_type);
   TORCH_CHECK(K % QK_K == 0 && w.size(2) == K / QK_K * bytes, "kq_experts_matmul: activations of ", K,
               " features need rows of ", K / QK_K * bytes, " bytes, got ", w.size(2));
@@ -2160,8 +2198,24 @@ at::Tensor kq_experts_matmul(const at::Tensor& x, const at::Tensor& w, const at:
   const int64_t* idp = ids.data_ptr<int64_t>();
   for (int64_t p = 0; p < P; ++p) TORCH_CHECK(idp[p] >= 0 && idp[p] < E, "kq_experts_matmul: expert ", idp[p], " out of range");
   const bool avx2 = parse_isa(isa) == Isa::Avx2;
+#ifdef HYBRIDKV_TILED
+  const bool tiled_kernel = avx2;
+#else
+  const bool tiled_kernel = false;
+#endif
+  if (tiled && !tiled_kernel) {  // the file's rows back (a copy), through their own kernels
+    const at::Tensor flat = w.view({E * N, -1}), rows = ggml_type == kQ4KT ? untiled(flat) : tile_q6_k(flat, true);
+    return kq_experts_matmul(x, rows.view({E, N, -1}), ids, ggml_type == kQ4KT ? 12 : 14, isa);
+  }
   const Q8K xq = quantize(x);
   at::Tensor y = at::empty({P, N}, x.options().dtype(at::kFloat));
+#ifdef HYBRIDKV_TILED
+  if (tiled) {
+    (ggml_type == kQ4KT ? tiled_experts<Tile4> : tiled_experts<Tile6>)(xq, w.data_ptr<uint8_t>(), idp, N,
+                                                                         y.data_ptr<float>());
+    return y;
+  }
+#endif
   const auto args = std::make_tuple(std::cref(xq), w.data_ptr<uint8_t>(), idp, N, y.data_ptr<float>());
   switch (ggml_type) {
     case 10: std::apply(avx2 ? experts_impl<Q2K, Isa::Avx2> : experts_impl<Q2K, Isa::Scalar>, args); break;

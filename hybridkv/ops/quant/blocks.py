@@ -252,12 +252,12 @@ def _k_pack_scales(sc: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
 
 
 def _tiles(rows: torch.Tensor, name: str = "Q4_K", block_bytes: int = 144) -> tuple[int, int]:
-    """(tiles, super-blocks a row) of K-quant rows [N, nb·block_bytes] taken 16 at a time;
-    ValueError otherwise."""
-    if rows.dim() != 2 or rows.shape[0] % 16 or rows.shape[1] % block_bytes:
-        need = f"need uint8 [16·n, nb·{block_bytes}], got {tuple(rows.shape)}"
+    """(tiles, super-blocks a row) of K-quant rows [..., N, nb·block_bytes] taken 16 at a time (so
+    experts [E, N, ·] tile each expert's rows alike); ValueError otherwise."""
+    if rows.dim() < 2 or rows.shape[-2] % 16 or rows.shape[-1] % block_bytes:
+        need = f"need uint8 [..., 16·n, nb·{block_bytes}], got {tuple(rows.shape)}"
         raise ValueError(f"{name} rows tile 16 at a time: {need}")
-    return rows.shape[0] // 16, rows.shape[1] // block_bytes
+    return rows[..., 0].numel() // 16, rows.shape[-1] // block_bytes
 
 
 def tile_q4_k(rows: torch.Tensor) -> torch.Tensor:

@@ -111,17 +111,19 @@ def for_kernels(w: QuantizedWeight, tile: bool = True) -> QuantizedWeight:
     (`blocks.repack_q4_k`, by its C++ twin; a copy, so the caller releases the file's pages), the
     one-row product then taking each sub-block's scale per vector lane (Zen 4, 2 threads: 1.1-1.5x
     from the caches, 1.07-1.17x from memory); or, with `tile`, a 2-D weight of 16·n rows on a CPU
-    with the 16-lane kernel (AVX-512 VNNI and VBMI), tiled by 16 rows (`blocks.tile_q4_k`): each
+    with the 16-lane kernel (AVX-512 VNNI and VBMI), tiled by 16 rows (`blocks.tile_q4_k`; experts
+    [E, 16·n, ·] each expert's rows alike, for `kq_experts_matmul`): each
     64-byte load then 8 weights of 16 rows, no unpacking. Q6_K is tiled alike (`blocks.tile_q6_k`;
     Zen 4, 2 threads, from the caches: 1.05-1.4x at one row, 1.3-1.9x at 2-9, ~1.0-1.2x at 56) and
     otherwise kept. Anything else, or without the kernels: w itself. An embedding keeps whole rows
     (`tile=False`): its lookups read single rows."""
     if w.btype.ggml_type not in (GGMLType.Q4_K, GGMLType.Q6_K) or not native.enabled():
         return w
-    if tile and len(w.shape) == 2 and w.shape[0] % 16 == 0 and native_tiles_q4_k():
+    if tile and len(w.shape) in (2, 3) and w.shape[-2] % 16 == 0 and native_tiles_q4_k():
+        rows = w.blocks.reshape(-1, w.blocks.shape[-1])  # experts [E, N, ·]: each expert's rows alike
         if w.btype.ggml_type == GGMLType.Q6_K:
-            return QuantizedWeight(native_tile_q6_k(w.blocks), block_type(GGMLType.Q6_K_T), w.shape)
-        return QuantizedWeight(native_tile_q4_k(w.blocks), block_type(GGMLType.Q4_K_T), w.shape)
+            return QuantizedWeight(native_tile_q6_k(rows).view(w.blocks.shape), block_type(GGMLType.Q6_K_T), w.shape)
+        return QuantizedWeight(native_tile_q4_k(rows).view(w.blocks.shape), block_type(GGMLType.Q4_K_T), w.shape)
     if w.btype.ggml_type == GGMLType.Q6_K:  # only tiled: its one-row kernel reads the file's order
         return w
     return QuantizedWeight(native_repack_q4_k(w.blocks), block_type(GGMLType.Q4_K_R), w.shape)
