@@ -160,8 +160,8 @@ def attach(model: torch.nn.Module, file: GGUFTensors, config: ModelConfig, dtype
         if name == "embed":
             info = file.file.tensors[pieces[0].name]
             if kept_in_blocks(info.type_id):
-                held = for_kernels(QuantizedWeight.of(raw_blocks(file, info.name), info.type_id), tile=False)
-                if held.btype.ggml_type != info.type_id:  # repacked: a copy
+                held = for_kernels(QuantizedWeight.of(raw_blocks(file, info.name), info.type_id))
+                if held.btype.ggml_type != info.type_id:  # repacked or tiled: a copy
                     file.file.release(info.name)
         else:
             held = build(file, pieces, dtype)

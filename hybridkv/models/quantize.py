@@ -30,7 +30,7 @@ def quantize_type(name: str) -> GGMLType:
         raise ValueError(f"--quantize {name!r} is not supported; choose one of {', '.join(QUANTIZE_TYPES)}") from None
 
 
-def _blocks(w: torch.Tensor, type_id: GGMLType, tile: bool = True) -> Part:
+def _blocks(w: torch.Tensor, type_id: GGMLType) -> Part:
     """A float weight [.., in, out] (our layout) → `QuantizedWeight` [.., out, in] in the type, or
     in llama.cpp's fallback where rows do not fit it (every fallback type has a kernel); float where
     rows fit no block type (the fallback is F16)."""
@@ -38,7 +38,7 @@ def _blocks(w: torch.Tensor, type_id: GGMLType, tile: bool = True) -> Part:
     if type_id == GGMLType.F16:
         return w
     rows = w.detach().transpose(-1, -2)
-    return for_kernels(QuantizedWeight.of(quantize(rows, type_id), type_id, tuple(rows.shape)), tile)
+    return for_kernels(QuantizedWeight.of(quantize(rows, type_id), type_id, tuple(rows.shape)))
 
 
 def _replace(module: torch.nn.Module, attr: str, held: object) -> None:
@@ -89,7 +89,7 @@ def quantize_model(model: Qwen3NextModel, type_id: GGMLType) -> Qwen3NextModel:
             _linear(model, "lm_head", type_id)
         embed = model.embed
         if isinstance(embed, torch.nn.Parameter):
-            part = _blocks(embed.detach().T, type_id, tile=False)  # [V, D] as the file keeps it
+            part = _blocks(embed.detach().T, type_id)  # [V, D] as the file keeps it
             if isinstance(part, QuantizedWeight):
                 _replace(model, "embed", part)
     return model

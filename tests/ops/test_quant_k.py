@@ -527,7 +527,10 @@ def test_k_quants_are_tiled_where_the_16_lane_kernel_runs_and_rows_allow(
     rows = torch.from_numpy(weight_rows(file_t, 32, 512, seed=2))
     assert for_kernels(QuantizedWeight.of(rows, file_t)).btype.name == (tiled if k_dot.native_tiles_q4_k() else kept)
     assert for_kernels(QuantizedWeight.of(rows[:24], file_t)).btype.name == kept  # 24 rows
-    assert for_kernels(QuantizedWeight.of(rows, file_t), tile=False).btype.name == kept  # an embedding
+    # an embedding (or a tied head) too: its lookups untile the rows they read
+    embed = for_kernels(QuantizedWeight.of(rows, file_t))
+    ids = torch.tensor([31, 0, 17, 17])
+    assert torch.equal(embed.rows(ids), QuantizedWeight.of(rows, file_t).dequantize()[ids])
     experts = QuantizedWeight(rows.view(2, 16, -1), block_type(file_t), (2, 16, 512))  # each expert's rows tiled
     assert for_kernels(experts).btype.name == (tiled if k_dot.native_tiles_q4_k() else kept)
     assert for_kernels(QuantizedWeight(rows[:24].view(3, 8, -1), block_type(file_t), (3, 8, 512))).btype.name == kept

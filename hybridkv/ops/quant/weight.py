@@ -106,20 +106,21 @@ class QuantizedWeight:
         return self.reference_matmul(x)
 
 
-def for_kernels(w: QuantizedWeight, tile: bool = True) -> QuantizedWeight:
-    """w in the form the C++ kernels read fastest where they run: Q4_K with its code bytes repacked
-    (`blocks.repack_q4_k`, by its C++ twin; a copy, so the caller releases the file's pages), the
-    one-row product then taking each sub-block's scale per vector lane (Zen 4, 2 threads: 1.1-1.5x
-    from the caches, 1.07-1.17x from memory); or, with `tile`, a 2-D weight of 16·n rows on a CPU
-    with the 16-lane kernel (AVX-512 VNNI and VBMI), tiled by 16 rows (`blocks.tile_q4_k`; experts
-    [E, 16·n, ·] each expert's rows alike, for `kq_experts_matmul`): each
-    64-byte load then 8 weights of 16 rows, no unpacking. Q6_K is tiled alike (`blocks.tile_q6_k`;
-    Zen 4, 2 threads, from the caches: 1.05-1.4x at one row, 1.3-1.9x at 2-9, ~1.0-1.2x at 56) and
-    otherwise kept. Anything else, or without the kernels: w itself. An embedding keeps whole rows
-    (`tile=False`): its lookups read single rows."""
+def for_kernels(w: QuantizedWeight) -> QuantizedWeight:
+    """w in the form the C++ kernels read fastest where they run. Q4_K is repacked (`blocks.repack_q4_k`,
+    by its C++ twin; a copy, so the caller releases the file's pages), the one-row product then
+    taking each sub-block's scale per vector lane (Zen 4, 2 threads: 1.1-1.5x from the caches,
+    1.07-1.17x from memory). On a CPU with the 16-lane kernel (AVX-512 VNNI and VBMI), a weight of
+    16·n rows is tiled by 16 rows instead (`blocks.tile_q4_k`): each 64-byte load then 8 weights of
+    16 rows, no unpacking. Experts [E, 16·n, ·] tile each expert's rows alike (`kq_experts_matmul`;
+    moe-mini's chat turn 1.22x); an embedding too (a lookup untiles its rows, `kq_dequantize_rows`:
+    a few KiB a token, where a tied head's product reads them all, decode at batch 1 1.01x). Q6_K
+    is tiled alike (`blocks.tile_q6_k`; Zen 4, 2 threads, from the caches: 1.05-1.4x at one row,
+    1.3-1.9x at 2-9, ~1.0-1.2x at 56) and otherwise kept. Anything else, or without the kernels: w
+    itself."""
     if w.btype.ggml_type not in (GGMLType.Q4_K, GGMLType.Q6_K) or not native.enabled():
         return w
-    if tile and len(w.shape) in (2, 3) and w.shape[-2] % 16 == 0 and native_tiles_q4_k():
+    if len(w.shape) in (2, 3) and w.shape[-2] % 16 == 0 and native_tiles_q4_k():
         rows = w.blocks.reshape(-1, w.blocks.shape[-1])  # experts [E, N, ·]: each expert's rows alike
         if w.btype.ggml_type == GGMLType.Q6_K:
             return QuantizedWeight(native_tile_q6_k(rows).view(w.blocks.shape), block_type(GGMLType.Q6_K_T), w.shape)
