@@ -287,6 +287,14 @@ def test_native_q8_experts_matmul_equals_each_experts_product(t: GGMLType) -> No
     want = torch.cat([int8_dot.q8_matmul_twin(x[p : p + 1], rows[e], t) for p, e in enumerate(ids.tolist())])
     for isa in int8_dot.available_isas():
         assert_close(int8_dot.native_q8_experts_matmul(x, rows, ids, t, isa), want, rel=1e-6)
+        # each token's row for its k = 2 pairs, quantized once: as given the row k times
+        pairs = torch.tensor([2, 0, 1, 1, 0, 2, 1, 0, 2, 2])
+        assert torch.equal(
+            int8_dot.native_q8_experts_matmul(x, rows, pairs, t, isa),
+            int8_dot.native_q8_experts_matmul(x.repeat_interleave(2, 0), rows, pairs, t, isa),
+        )
+    with pytest.raises(RuntimeError, match="multiple of x's 5 rows"):
+        int8_dot.native_q8_experts_matmul(x, rows, ids[:4], t)
 
 
 @needs_native

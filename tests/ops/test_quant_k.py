@@ -330,6 +330,19 @@ def test_experts_matmul_equals_each_tokens_product_on_its_expert(t: GGMLType) ->
     )
     for isa in k_dot.available_isas():
         assert_close(k_dot.native_k_experts_matmul(x, kernel_rows(t, rows), ids, t, isa), want, rel=1e-6)
+    _assert_rows_serve_their_pairs(x, kernel_rows(t, rows), t, E)
+
+
+def _assert_rows_serve_their_pairs(x: torch.Tensor, w: torch.Tensor, t: GGMLType, E: int) -> None:
+    """x [T, K] with k ids a row (each row quantized once for its k pairs) gives what each row
+    repeated k times gives, bit for bit, on every path; ids not a multiple of T are refused."""
+    x = x[:21]
+    ids = torch.arange(3 * 21) * 7 % E  # k = 3, the experts meeting 1-13 pairs each
+    for isa in k_dot.available_isas():
+        want = k_dot.native_k_experts_matmul(x.repeat_interleave(3, 0), w, ids, t, isa)
+        assert torch.equal(k_dot.native_k_experts_matmul(x, w, ids, t, isa), want)
+    with pytest.raises(RuntimeError, match="multiple of x's 21 rows"):
+        k_dot.native_k_experts_matmul(x, w, ids[:40], t)
 
 
 # --- the traits table and the weight -----------------------------------------------------------
@@ -570,8 +583,13 @@ def test_tiled_experts_matmul_equals_each_tokens_product_on_its_expert(
     assert torch.equal(w[3], tile(torch.from_numpy(rows[3])))  # each expert tiled as its own rows
     for isa in k_dot.available_isas():
         assert_close(k_dot.native_k_experts_matmul(x, w, ids, tiled_t, isa), want, rel=1e-6)
+    _assert_rows_serve_their_pairs(x, w, tiled_t, E)
     experts = QuantExperts((QuantizedWeight(w, block_type(tiled_t), (E, N, K)),))
     assert_close(experts.pairs_matmul(x, ids), want, rel=1e-6)
+    pairs = torch.arange(90) % E  # k = 3
+    assert torch.equal(experts.pairs_matmul(x[:30], pairs), experts.pairs_matmul(x[:30].repeat_interleave(3, 0), pairs))
+    with pytest.raises(ValueError, match="multiple of T expert ids"):
+        experts.pairs_matmul(x[:29], pairs)
     assert_close(
         experts.expert(4).matmul(x[:3]), torch.from_numpy(emulate(x[:3].numpy(), rows[4], file_t)[2]), rel=1e-6
     )

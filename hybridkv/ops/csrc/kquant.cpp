@@ -1015,6 +1015,28 @@ Q8K quantize(const at::Tensor& x_in) {
   return r;
 }
 
+// xq's rows each repeated `per` times in a row (a copy of the quantized bytes): row p of the
+// result is row p / per of xq.
+Q8K repeat_rows(const Q8K& xq, int64_t per) {
+  if (per == 1) return xq;
+  const int64_t nb = xq.K / QK_K, P = xq.T * per;
+  const int64_t d_bytes = P * nb * 4, q_at = (d_bytes + P * (xq.K / 16) * 2 + 63) / 64 * 64;
+  Q8K r;
+  r.owner = at::empty({q_at + P * xq.K}, xq.owner.options());
+  uint8_t* base = r.owner.data_ptr<uint8_t>();
+  r.T = P, r.K = xq.K;
+  r.d = reinterpret_cast<float*>(base);
+  r.bsums = reinterpret_cast<int16_t*>(base + d_bytes);
+  r.q = reinterpret_cast<int8_t*>(base + q_at);
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t t = p / per;
+    std::memcpy(r.d + p * nb, xq.d + t * nb, nb * sizeof(float));
+    std::memcpy(r.bsums + p * (xq.K / 16), xq.bsums + t * (xq.K / 16), xq.K / 16 * sizeof(int16_t));
+    std::memcpy(r.q + p * xq.K, xq.q + t * xq.K, xq.K);
+  }
+  return r;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows_q8_k(const at::Tensor& x) {
   const Q8K r = quantize(x);
   const auto options = x.options();
@@ -1837,12 +1859,12 @@ std::vector<int32_t> tile_pairs(const Q8K& xq) {
   return xpair;
 }
 
-// One tile of 16 rows (tw, its nb super-blocks) against activation rows rows[0..n): y + rows[t]·ldy
-// gets row rows[t]'s 16 products. The rows' super-blocks are met TILE_T at a time, 4 in registers
+// One tile of 16 rows (tw, its nb super-blocks) against activation rows act[0..n): y + rows[t]·ldy
+// gets row act[t]'s 16 products. The rows' super-blocks are met TILE_T at a time, 4 in registers
 // at once; with many rows, the super-blocks of `ahead` (the next tile, or nullptr) are fetched meanwhile.
 template <class TT>
-ALWAYS_INLINE void tile_product(const Q8K& xq, const int32_t* xpair, const uint8_t* tw, const int64_t* rows,
-                                int64_t n_rows, float* y, int64_t ldy, const uint8_t* ahead) {
+ALWAYS_INLINE void tile_product(const Q8K& xq, const int32_t* xpair, const uint8_t* tw, const int64_t* act,
+                                const int64_t* rows, int64_t n_rows, float* y, int64_t ldy, const uint8_t* ahead) {
   const int64_t nb = xq.K / QK_K, P = TT::pairs;
   __m512 acc[TILE_T];
   const int8_t* a[4];
@@ -1861,7 +1883,7 @@ ALWAYS_INLINE void tile_product(const Q8K& xq, const int32_t* xpair, const uint8
       for (int64_t t = 0; t < n; t += 4) {
         const int take = static_cast<int>(std::min<int64_t>(4, n - t));
         for (int j = 0; j < take; ++j) {
-          const int64_t row = rows[t0 + t + j];
+          const int64_t row = act[t0 + t + j];
           a[j] = xq.q + row * xq.K + b * QK_K, xp[j] = &xpair[(row * nb + b) * P], dx[j] = xq.d[row * nb + b];
         }
         switch (take) {
@@ -1885,27 +1907,29 @@ void tiled_matmul(const Q8K& xq, const uint8_t* w, int64_t N, float* y, int64_t 
   for (int64_t t = 0; t < T; ++t) rows[t] = t;
   hybridkv::claimed_for(N / 16, hybridkv::claim_items(tile_bytes, 1), [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i)
-      tile_product<TT>(xq, xpair.data(), w + i * tile_bytes, rows.data(), T, y + 16 * i, ldy,
+      tile_product<TT>(xq, xpair.data(), w + i * tile_bytes, rows.data(), rows.data(), T, y + 16 * i, ldy,
                        i + 1 < N / 16 ? w + (i + 1) * tile_bytes : nullptr);
   });
 }
 
-// y [P, N]: row p of x times expert ids[p]'s tiled rows, w [E, N, ·] (N a multiple of 16): threads
-// split each expert's tiles, every tile met once by all the rows routed to its expert.
+// y [P, N]: row p / per of x times expert ids[p]'s tiled rows, w [E, N, ·] (N a multiple of 16):
+// threads split each expert's tiles, every tile met once by all the rows routed to its expert.
 template <class TT>
-void tiled_experts(const Q8K& xq, const uint8_t* w, const int64_t* ids, int64_t N, float* y) {
+void tiled_experts(const Q8K& xq, const uint8_t* w, const int64_t* ids, int64_t P, int64_t per, int64_t N, float* y) {
   const int64_t tile_bytes = xq.K / QK_K * TT::bytes, tiles = N / 16;
   const std::vector<int32_t> xpair = tile_pairs<TT>(xq);
   std::vector<int64_t> pairs, start;
-  hybridkv::group_by_expert(ids, xq.T, pairs, start);
+  hybridkv::group_by_expert(ids, P, pairs, start);
+  std::vector<int64_t> act(P);  // each pair's activation row, in the pairs' order
+  for (int64_t i = 0; i < P; ++i) act[i] = pairs[i] / per;
   const int64_t G = static_cast<int64_t>(start.size()) - 1;
   auto tile_at = [&](int64_t g, int64_t i) { return w + (ids[pairs[start[g]]] * tiles + i) * tile_bytes; };
   hybridkv::claimed_for(G * tiles, hybridkv::claim_items(tile_bytes, 1), [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t g = u / tiles, i = u % tiles;
       const uint8_t* ahead = i + 1 < tiles ? tile_at(g, i + 1) : g + 1 < G ? tile_at(g + 1, 0) : nullptr;
-      tile_product<TT>(xq, xpair.data(), tile_at(g, i), pairs.data() + start[g], start[g + 1] - start[g], y + 16 * i,
-                       N, ahead);
+      tile_product<TT>(xq, xpair.data(), tile_at(g, i), act.data() + start[g], pairs.data() + start[g],
+                       start[g + 1] - start[g], y + 16 * i, N, ahead);
     }
   });
 }
@@ -2185,8 +2209,8 @@ void experts_impl(const Q8K& xq, const uint8_t* w, const int64_t* ids, int64_t N
 at::Tensor kq_experts_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ids_in, int64_t ggml_type,
                              const std::string& isa) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous(),
-              "kq_experts_matmul: x must be [P, K] and w contiguous uint8 [E, N, row_bytes]");
-  const int64_t P = x.size(0), K = x.size(1), E = w.size(0), N = w.size(1);
+              "kq_experts_matmul: x must be [T, K] and w contiguous uint8 [E, N, row_bytes]");
+  const int64_t T = x.size(0), K = x.size(1), E = w.size(0), N = w.size(1), P = ids_in.numel();
   const bool tiled = ggml_type == kQ4KT || ggml_type == kQ6KT;
   TORCH_CHECK(!tiled || N % 16 == 0, "kq_experts_matmul: tiled experts (types ", kQ4KT, ", ", kQ6KT,
               ") hold a multiple of 16 rows each, got ", N);
@@ -2194,7 +2218,9 @@ at::Tensor kq_experts_matmul(const at::Tensor& x, const at::Tensor& w, const at:
   TORCH_CHECK(K % QK_K == 0 && w.size(2) == K / QK_K * bytes, "kq_experts_matmul: activations of ", K,
               " features need rows of ", K / QK_K * bytes, " bytes, got ", w.size(2));
   const at::Tensor ids = ids_in.to(at::kLong).contiguous();
-  TORCH_CHECK(ids.numel() == P, "kq_experts_matmul: one expert id per row of x");
+  TORCH_CHECK(T > 0 && P % T == 0, "kq_experts_matmul: the ", P, " expert ids must be a multiple of x's ", T,
+              " rows (row t serves ids t·P/T ..)");
+  const int64_t per = P / T;
   const int64_t* idp = ids.data_ptr<int64_t>();
   for (int64_t p = 0; p < P; ++p) TORCH_CHECK(idp[p] >= 0 && idp[p] < E, "kq_experts_matmul: expert ", idp[p], " out of range");
   const bool avx2 = parse_isa(isa) == Isa::Avx2;
@@ -2211,12 +2237,13 @@ at::Tensor kq_experts_matmul(const at::Tensor& x, const at::Tensor& w, const at:
   at::Tensor y = at::empty({P, N}, x.options().dtype(at::kFloat));
 #ifdef HYBRIDKV_TILED
   if (tiled) {
-    (ggml_type == kQ4KT ? tiled_experts<Tile4> : tiled_experts<Tile6>)(xq, w.data_ptr<uint8_t>(), idp, N,
+    (ggml_type == kQ4KT ? tiled_experts<Tile4> : tiled_experts<Tile6>)(xq, w.data_ptr<uint8_t>(), idp, P, per, N,
                                                                          y.data_ptr<float>());
     return y;
   }
 #endif
-  const auto args = std::make_tuple(std::cref(xq), w.data_ptr<uint8_t>(), idp, N, y.data_ptr<float>());
+  const Q8K xp = repeat_rows(xq, per);  // the other kernels read a row per pair
+  const auto args = std::make_tuple(std::cref(xp), w.data_ptr<uint8_t>(), idp, N, y.data_ptr<float>());
   switch (ggml_type) {
     case 10: std::apply(avx2 ? experts_impl<Q2K, Isa::Avx2> : experts_impl<Q2K, Isa::Scalar>, args); break;
     case 11: std::apply(avx2 ? experts_impl<Q3K, Isa::Avx2> : experts_impl<Q3K, Isa::Scalar>, args); break;

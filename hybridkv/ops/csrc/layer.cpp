@@ -161,7 +161,8 @@ struct Layer {
 };
 
 // `ops.moe.moe_block` on experts in a file's blocks, op for op (router softmax and top-k, every
-// (token, expert) pair of the step in one kernel call per part, the gated shared expert).
+// (token, expert) pair of the step in one kernel call per part, each token's row quantized once
+// for its k pairs; the gated shared expert).
 at::Tensor block_moe(const Layer& l, const at::Tensor& x) {
   const int64_t T = x.size(0), k = l.top_k;
   const at::Tensor logits = l.projections[2](x);
@@ -170,8 +171,7 @@ at::Tensor block_moe(const Layer& l, const at::Tensor& x) {
   auto [weights, chosen] = probs.topk(k, -1);
   if (l.norm_topk) weights = weights / weights.sum(-1, true);
   const at::Tensor ids = chosen.flatten();
-  const at::Tensor xs = T == 1 ? x.expand({k, -1}) : x.repeat_interleave(k, 0);
-  const at::Tensor y = l.experts[1](hybridkv::ops::silu_mul(l.experts[0](xs, ids)), ids);
+  const at::Tensor y = l.experts[1](hybridkv::ops::silu_mul(l.experts[0](x, ids)), ids);  // x's row t: pairs tk..
   const at::Tensor routed = (y * weights.reshape({-1, 1})).view({T, k, -1}).sum(1);
   const at::Tensor shared = l.projections[3](hybridkv::ops::silu_mul(parts[2]));
   return routed + shared * at::sigmoid(parts[1]);

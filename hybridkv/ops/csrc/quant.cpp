@@ -816,14 +816,19 @@ void experts_impl(const int8_t* a, const float* dx, const float* sx, int64_t P, 
 at::Tensor q8_experts_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ids_in, int64_t ggml_type,
                              const std::string& isa) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous(),
-              "q8_experts_matmul: x must be [P, K] and w contiguous uint8 [E, N, K/32*bytes]");
-  const int64_t P = x.size(0), K = x.size(1), E = w.size(0), N = w.size(1), nb = K / QK8;
+              "q8_experts_matmul: x must be [T, K] and w contiguous uint8 [E, N, K/32*bytes]");
+  const int64_t T = x.size(0), K = x.size(1), E = w.size(0), N = w.size(1), nb = K / QK8, P = ids_in.numel();
   check_row_bytes(w, K, ggml_type, "q8_experts_matmul");
   const at::Tensor ids = ids_in.to(at::kLong).contiguous();
-  TORCH_CHECK(ids.numel() == P, "q8_experts_matmul: one expert id per row of x");
+  TORCH_CHECK(T > 0 && P % T == 0, "q8_experts_matmul: the ", P, " expert ids must be a multiple of x's ", T,
+              " rows (row t serves ids t·P/T ..)");
   const int64_t* idp = ids.data_ptr<int64_t>();
   for (int64_t p = 0; p < P; ++p) TORCH_CHECK(idp[p] >= 0 && idp[p] < E, "q8_experts_matmul: expert ", idp[p], " out of range");
-  const auto [q, d] = quantize_rows_q8(x);
+  auto [q, d] = quantize_rows_q8(x);
+  if (P > T) {  // each row quantized once, its blocks then read by each of its pairs
+    q = q.repeat_interleave(P / T, 0);
+    d = d.repeat_interleave(P / T, 0);
+  }
   at::Tensor y = at::empty({P, N}, x.options().dtype(at::kFloat));
   dispatch(ggml_type, isa, [&](auto block, auto path) {
     using B = decltype(block);

@@ -147,6 +147,7 @@ def q8_matmul(ggml_id: int) -> MatmulFn:
 def native_q8_experts_matmul(
     x: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, ggml_id: int = Q8_0, isa: str = "auto"
 ) -> torch.Tensor:
-    """Row p of x [P, K] times expert ids[p]'s rows (rows [E, N, nb·bytes]) → [P, N] float32: the
-    products `native_q8_matmul` computes, every (token, expert) pair of a MoE step in one call."""
+    """Row p·T/P of x [T, K] times expert ids[p]'s rows (rows [E, N, nb·bytes]) → [P, N] float32
+    (P = len(ids), a multiple of T: each row quantized once for its P/T pairs): the products
+    `native_q8_matmul` computes, every (token, expert) pair of a MoE step in one call."""
     return _ops().q8_experts_matmul(x, rows, ids, ggml_id, isa)

@@ -244,6 +244,7 @@ def native_tiles_q4_k() -> bool:
 def native_k_experts_matmul(
     x: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, ggml_id: int, isa: str = "auto"
 ) -> torch.Tensor:
-    """Row p of x [P, K] times expert ids[p]'s K-quant rows (rows [E, N, nb·block_bytes]) → [P, N]
-    float32: the products `native_k_matmul` computes, every (token, expert) pair in one call."""
+    """Row p·T/P of x [T, K] times expert ids[p]'s K-quant rows (rows [E, N, nb·block_bytes]) →
+    [P, N] float32 (P = len(ids), a multiple of T: each row quantized once for its P/T pairs): the
+    products `native_k_matmul` computes, every (token, expert) pair in one call."""
     return _ops().kq_experts_matmul(x, rows, ids, ggml_id, isa)

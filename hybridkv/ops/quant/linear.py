@@ -210,8 +210,13 @@ class QuantExperts:
         return all(_pairs_kernel(x, p) for p in self.parts)
 
     def pairs_matmul(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Row p of x [P, in] times expert ids[p]'s W → [P, out] in x's dtype: every (token,
-        expert) pair of a decode step in one kernel call per part."""
+        """Row p·T/P of x [T, in] times expert ids[p]'s W → [P, out] in x's dtype (P = len(ids) a
+        multiple of T: each token's row serves its P/T consecutive pairs, quantized once): every
+        (token, expert) pair of a decode step or chunk in one kernel call per part."""
+        if x.dim() != 2 or ids.dim() != 1 or x.shape[0] == 0 or ids.shape[0] % x.shape[0]:
+            raise ValueError(
+                f"pairs_matmul takes x [T, in] and a multiple of T expert ids, got {tuple(x.shape)}, {tuple(ids.shape)}"
+            )
         ys = [_pairs_part(x, p, ids) for p in self.parts]
         return (ys[0] if len(ys) == 1 else torch.cat([y.float() for y in ys], dim=-1)).to(x.dtype)
 
@@ -231,14 +236,18 @@ def _pairs_kernel(x: torch.Tensor, part: Part) -> bool:
 
 
 def _pairs_part(x: torch.Tensor, part: Part, ids: torch.Tensor) -> torch.Tensor:
-    """x [P, in] @ (expert ids[p]'s part)ᵀ row by row → [P, out_i] float32."""
+    """x [T, in] row p·T/P @ (expert ids[p]'s part)ᵀ, pair by pair → [P, out_i] float32."""
     if _pairs_kernel(x, part) and isinstance(part, QuantizedWeight):
         blocks = part.blocks.contiguous()
         if part.btype.block_elems == 32:  # Q8_0, Q5_0, Q4_0, IQ4_NL
             return native_q8_experts_matmul(x.float(), blocks, ids, int(part.btype.ggml_type))
         return native_k_experts_matmul(x.float(), blocks, ids, int(part.btype.ggml_type))
     # without the kernels (or under float_activations): each pair through its expert's own product
-    rows = [QuantLinear((_expert_part(part, e),)).matmul(x[p : p + 1]).float() for p, e in enumerate(ids.tolist())]
+    per = ids.shape[0] // x.shape[0]
+    rows = [
+        QuantLinear((_expert_part(part, e),)).matmul(x[p // per : p // per + 1]).float()
+        for p, e in enumerate(ids.tolist())
+    ]
     return torch.cat(rows)
 
 
