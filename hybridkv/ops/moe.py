@@ -49,8 +49,13 @@ def moe_block(
     weights, experts = probs.topk(top_k, dim=-1)  # [T, k]
     if norm_topk:
         weights = weights / weights.sum(-1, keepdim=True)
-    routed = routed_experts(x, experts, weights, gate_up, down)
+    pairs = _pair_products(x, experts, gate_up, down)
     shared = linear(silu_mul(shared_gate_up), shared_down)
+    if pairs is not None:
+        parts = (pairs, weights, shared, shared_gate)
+        if all(t.dtype == torch.float32 for t in parts) and native.enabled(*parts):
+            return native.moe_combine(*parts)  # as `decode_layer`'s `block_moe`
+    routed = _weighted(pairs, weights, x) if pairs is not None else routed_experts(x, experts, weights, gate_up, down)
     return routed + shared * torch.sigmoid(shared_gate)
 
 
@@ -74,20 +79,10 @@ def routed_experts(
     kernel), more pairs the same loop on each expert's blocks.
     """
     top_k = experts.shape[1]
+    pairs = _pair_products(x, experts, gate_up, down)
+    if pairs is not None:
+        return _weighted(pairs, weights, x)
     weights = weights.to(x.dtype)
-    pairs = x.shape[0] * top_k
-    if (
-        isinstance(gate_up, QuantExperts)
-        and isinstance(down, QuantExperts)
-        and (pairs <= FEW_ROWS or (pairs <= PAIRS_ROWS and gate_up.pairs_in_one_call(x) and down.pairs_in_one_call(x)))
-    ):
-        # Decode: every (token, expert) pair in one kernel call per projection, no per-expert loop
-        # (the kernel reads each expert's rows once for all its pairs).
-        ids = experts.flatten()
-        # Each token's row quantized once for its k pairs, not copied k times (a 56-token chunk of
-        # moe-mini: the copies and their quantization were ~2.5% of the time)
-        y = down.pairs_matmul(silu_mul(gate_up.pairs_matmul(x, ids)), ids)  # [T·k, D]
-        return (y * weights.reshape(-1, 1)).view(x.shape[0], top_k, -1).sum(1)
     if isinstance(gate_up, QuantExperts) or isinstance(down, QuantExperts):
         return _routed_loop(x, experts, weights, gate_up, down)
     if x.shape[0] == 1:
@@ -98,6 +93,30 @@ def routed_experts(
         y = torch.bmm(silu_mul(h), down.index_select(0, ids))  # [k, 1, D]
         return weights @ y[:, 0]
     return _routed_loop(x, experts, weights, gate_up, down)
+
+
+def _pair_products(x: torch.Tensor, experts: torch.Tensor, gate_up: Experts, down: Experts) -> torch.Tensor | None:
+    """Experts in a file's blocks (`QuantExperts`) with few enough (token, expert) pairs: every
+    pair's SwiGLU in one kernel call per projection, no per-expert loop (the kernel reads each
+    expert's rows once for all its pairs) → [T·k, D] in x's dtype, row t·k + j token t's j-th
+    expert; else None."""
+    pairs = experts.numel()
+    if not (
+        isinstance(gate_up, QuantExperts)
+        and isinstance(down, QuantExperts)
+        and (pairs <= FEW_ROWS or (pairs <= PAIRS_ROWS and gate_up.pairs_in_one_call(x) and down.pairs_in_one_call(x)))
+    ):
+        return None
+    ids = experts.flatten()
+    # Each token's row quantized once for its k pairs, not copied k times (a 56-token chunk of
+    # moe-mini: the copies and their quantization were ~2.5% of the time)
+    return down.pairs_matmul(silu_mul(gate_up.pairs_matmul(x, ids)), ids)
+
+
+def _weighted(pairs: torch.Tensor, weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Σ_j weights[t, j] · pairs[t·k + j] → [T, D] in x's dtype."""
+    k = weights.shape[1]
+    return (pairs * weights.to(x.dtype).reshape(-1, 1)).view(x.shape[0], k, -1).sum(1)
 
 
 def _expert(w: Experts, e: int) -> Weight:

@@ -8,6 +8,7 @@ compiler, `HYBRIDKV_NATIVE=0`) and that the tests compare it with:
     rms_norm(x, w, eps)          F.rms_norm in float32
     add_rms_norm(x, d, w, eps)   (x + d, rms_norm(x + d, w, eps)): a residual add and the norm after it
     silu_mul(gate_up)            ops.matmul.silu_mul in float32 (SwiGLU's activation)
+    moe_combine(y, w, shared, g) ops.moe.moe_block's weighted sum of its pairs and gated shared expert
     moe_block(x, ...)            hybridkv.ops.moe.moe_block's PyTorch path (router, experts, shared expert)
     gdn_forward(mixed, ...)      GatedDeltaNet's PyTorch path after in_proj (conv, norms, gates, delta rule)
     attention_decode(qkv, ...)   GatedAttention's PyTorch decode step (norms, RoPE, paged attention, gate)
@@ -215,6 +216,13 @@ def add_rms_norm(
     and the norm that follows it, the same numbers as the two ops."""
     total, normed = _ops().add_rms_norm(x, delta, weight, eps)
     return total, normed
+
+
+def moe_combine(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """A MoE layer's output Σ_j weights[t, j] · y[t·k + j] + sigmoid(gate[t]) · shared[t] from its
+    pairs' products y [T·k, D], weights [T, k], shared [T, D] and gate [T, 1], float32: one pass,
+    its rows split across threads (ATen's weighting ran on one thread)."""
+    return _ops().moe_combine(y, weights, shared, gate)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -319,6 +319,19 @@ def test_silu_mul_equals_the_pytorch_twin(T: int, I: int) -> None:  # noqa: E741
     assert_close(native.silu_mul(gate_up.T.contiguous().T), F.silu(gate) * up, rel=1e-6)  # strided input
 
 
+@pytest.mark.parametrize(("T", "k", "D"), [(1, 8, 1024), (7, 3, 40), (56, 10, 100)])  # 40, 100: tails past the vectors
+def test_moe_combine_equals_the_pytorch_twin(T: int, k: int, D: int) -> None:
+    g = torch.Generator().manual_seed(T)
+    y, shared = torch.randn(T * k, D, generator=g), torch.randn(T, D, generator=g)
+    weights, gate = torch.rand(T, k, generator=g), torch.randn(T, 5, generator=g)[:, 2:3]  # a column: strided
+    want = (y * weights.reshape(-1, 1)).view(T, k, D).sum(1) + shared * torch.sigmoid(gate)
+    assert_close(native.moe_combine(y, weights, shared, gate), want, rel=1e-6)
+    with pytest.raises(RuntimeError, match="moe_combine: y must be"):
+        native.moe_combine(y[1:], weights, shared, gate)
+    with pytest.raises(RuntimeError, match="float32 inputs only"):
+        native.moe_combine(y, weights.double(), shared, gate)
+
+
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("H", "Hkv", "hd", "rd"), [(4, 2, 16, 8), (8, 2, 64, 64), (2, 2, 24, 12)])
 @pytest.mark.parametrize(

@@ -1749,6 +1749,45 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
   return out;
 }
 
+// A MoE layer's output from its parts: out[t] = Σ_j weights[t, j] · y[t·k + j] (j in order) +
+// sigmoid(gate[t]) · shared[t]; y [T·k, D] the (token, expert) pairs' products, weights [T, k],
+// shared [T, D] the shared expert's, gate [T, 1] its gate logit; all float32 → [T, D]. One pass
+// over rows split across threads, where ATen's four ops ran the weighting on one thread.
+at::Tensor moe_combine(const at::Tensor& y_in, const at::Tensor& weights_in, const at::Tensor& shared_in,
+                       const at::Tensor& gate_in) {
+  TORCH_CHECK(y_in.dim() == 2 && weights_in.dim() == 2 && shared_in.dim() == 2 &&
+                  y_in.size(0) == weights_in.numel() && shared_in.size(0) == weights_in.size(0) &&
+                  shared_in.size(1) == y_in.size(1) && gate_in.numel() == weights_in.size(0),
+              "moe_combine: y must be [T*k, D], weights [T, k], shared [T, D] and gate [T, 1], got ", y_in.sizes(),
+              ", ", weights_in.sizes(), ", ", shared_in.sizes(), ", ", gate_in.sizes());
+  for (const at::Tensor* t : {&y_in, &weights_in, &shared_in, &gate_in})
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "moe_combine: float32 inputs only, got ", t->scalar_type());
+  const at::Tensor y = y_in.contiguous(), w = weights_in.contiguous(), sh = shared_in.contiguous();
+  const at::Tensor g = gate_in.contiguous();
+  const int64_t T = w.size(0), k = w.size(1), D = y.size(1);
+  at::Tensor out = at::empty({T, D}, y.options());
+  const float *yp = y.data_ptr<float>(), *wp = w.data_ptr<float>(), *sp = sh.data_ptr<float>(), *gp = g.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, k * D)), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float gate = sigmoid(gp[t]);
+      float* o = op + t * D;
+      int64_t d = 0;
+      for (; d + LANES <= D; d += LANES) {
+        vf acc = load(yp + t * k * D + d) * wp[t * k];
+        for (int64_t j = 1; j < k; ++j) acc += load(yp + (t * k + j) * D + d) * wp[t * k + j];
+        store(o + d, acc + load(sp + t * D + d) * gate);
+      }
+      for (; d < D; ++d) {
+        float acc = yp[t * k * D + d] * wp[t * k];
+        for (int64_t j = 1; j < k; ++j) acc += yp[(t * k + j) * D + d] * wp[t * k + j];
+        o[d] = acc + sp[t * D + d] * gate;
+      }
+    }
+  });
+  return out;
+}
+
 constexpr int64_t NORM_ROWS = 32;  // rows a norm takes on one thread
 
 // x / rms(x) * weight over the last dim, in float32; the result in x's dtype (float32 or bfloat16).
@@ -1818,6 +1857,9 @@ at::Tensor attention_decode(const at::Tensor& qkv, const at::Tensor& q_norm, con
                             scale, H);
 }
 at::Tensor silu_mul(const at::Tensor& gate_up) { return ::silu_mul(gate_up); }
+at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& weights, const at::Tensor& shared, const at::Tensor& gate) {
+  return ::moe_combine(y, weights, shared, gate);
+}
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
                                                 double eps) {
   return ::add_rms_norm(x, delta, weight, eps);
@@ -1837,6 +1879,7 @@ TORCH_LIBRARY(hybridkv, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("moe_combine(Tensor y, Tensor weights, Tensor shared, Tensor gate) -> Tensor");
   m.def(
       "attention_decode(Tensor qkv, Tensor q_norm, Tensor k_norm, float eps, Tensor cos, Tensor sin, "
       "Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slot_mapping, Tensor block_tables, Tensor kv_lens, "
@@ -1851,5 +1894,6 @@ TORCH_LIBRARY_IMPL(hybridkv, CPU, m) {
   m.impl("rms_norm", rms_norm);
   m.impl("add_rms_norm", add_rms_norm);
   m.impl("silu_mul", silu_mul);
+  m.impl("moe_combine", moe_combine);
   m.impl("attention_decode", attention_decode);
 }

@@ -162,9 +162,9 @@ struct Layer {
 
 // `ops.moe.moe_block` on experts in a file's blocks, op for op (router softmax and top-k, every
 // (token, expert) pair of the step in one kernel call per part, each token's row quantized once
-// for its k pairs; the gated shared expert).
+// for its k pairs; the gated shared expert; `moe_combine`).
 at::Tensor block_moe(const Layer& l, const at::Tensor& x) {
-  const int64_t T = x.size(0), k = l.top_k;
+  const int64_t k = l.top_k;
   const at::Tensor logits = l.projections[2](x);
   const auto parts = logits.split_with_sizes({l.E, 1, logits.size(-1) - l.E - 1}, -1);
   const at::Tensor probs = at::softmax(parts[0], -1, at::kFloat);
@@ -172,9 +172,8 @@ at::Tensor block_moe(const Layer& l, const at::Tensor& x) {
   if (l.norm_topk) weights = weights / weights.sum(-1, true);
   const at::Tensor ids = chosen.flatten();
   const at::Tensor y = l.experts[1](hybridkv::ops::silu_mul(l.experts[0](x, ids)), ids);  // x's row t: pairs tk..
-  const at::Tensor routed = (y * weights.reshape({-1, 1})).view({T, k, -1}).sum(1);
   const at::Tensor shared = l.projections[3](hybridkv::ops::silu_mul(parts[2]));
-  return routed + shared * at::sigmoid(parts[1]);
+  return hybridkv::ops::moe_combine(y, weights, shared, parts[1]);
 }
 
 // The layer's checks that need its inputs: scalars and step tensors counted, x and normed alike.

@@ -23,6 +23,7 @@ at::Tensor attention_decode(const at::Tensor& qkv, const at::Tensor& q_norm, con
                             const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& kv_lens,
                             double scale, int64_t H);
 at::Tensor silu_mul(const at::Tensor& gate_up);
+at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& weights, const at::Tensor& shared, const at::Tensor& gate);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
                                                 double eps);
 at::Tensor kq_matmul_parts(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, const std::string& isa);
