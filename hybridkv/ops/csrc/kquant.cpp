@@ -995,19 +995,25 @@ struct Q8K {
   int16_t* bsums = nullptr;
 };
 
-Q8K quantize(const at::Tensor& x_in) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) % QK_K == 0,
-              "quantize_rows_q8_k: x must be [T, K] with K a multiple of 256, got ", x_in.sizes());
-  const at::Tensor x = x_in.to(at::kFloat).contiguous();
-  const int64_t T = x.size(0), K = x.size(1), nb = K / QK_K;
-  const int64_t d_bytes = T * nb * 4, q_at = (d_bytes + T * (K / 16) * 2 + 63) / 64 * 64;
+// T rows of K activations' Q8_K blocks, not yet filled: d, bsums and q in one buffer (q 64-byte aligned).
+Q8K q8k_rows(int64_t T, int64_t K, const at::TensorOptions& options) {
+  const int64_t d_bytes = T * (K / QK_K) * 4, q_at = (d_bytes + T * (K / 16) * 2 + 63) / 64 * 64;
   Q8K r;
-  r.owner = at::empty({q_at + T * K}, x.options().dtype(at::kByte));
+  r.owner = at::empty({q_at + T * K}, options.dtype(at::kByte));
   uint8_t* base = r.owner.data_ptr<uint8_t>();
   r.T = T, r.K = K;
   r.d = reinterpret_cast<float*>(base);
   r.bsums = reinterpret_cast<int16_t*>(base + d_bytes);
   r.q = reinterpret_cast<int8_t*>(base + q_at);
+  return r;
+}
+
+Q8K quantize(const at::Tensor& x_in) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) % QK_K == 0,
+              "quantize_rows_q8_k: x must be [T, K] with K a multiple of 256, got ", x_in.sizes());
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t T = x.size(0), K = x.size(1), nb = K / QK_K;
+  Q8K r = q8k_rows(T, K, x.options());
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, T * nb, 64, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) quantize_superblock(xp + i * QK_K, r.q + i * QK_K, r.d + i, r.bsums + i * 16);
@@ -1020,14 +1026,7 @@ Q8K quantize(const at::Tensor& x_in) {
 Q8K repeat_rows(const Q8K& xq, int64_t per) {
   if (per == 1) return xq;
   const int64_t nb = xq.K / QK_K, P = xq.T * per;
-  const int64_t d_bytes = P * nb * 4, q_at = (d_bytes + P * (xq.K / 16) * 2 + 63) / 64 * 64;
-  Q8K r;
-  r.owner = at::empty({q_at + P * xq.K}, xq.owner.options());
-  uint8_t* base = r.owner.data_ptr<uint8_t>();
-  r.T = P, r.K = xq.K;
-  r.d = reinterpret_cast<float*>(base);
-  r.bsums = reinterpret_cast<int16_t*>(base + d_bytes);
-  r.q = reinterpret_cast<int8_t*>(base + q_at);
+  Q8K r = q8k_rows(P, xq.K, xq.owner.options());
   for (int64_t p = 0; p < P; ++p) {
     const int64_t t = p / per;
     std::memcpy(r.d + p * nb, xq.d + t * nb, nb * sizeof(float));
@@ -2218,9 +2217,9 @@ at::Tensor kq_experts_matmul(const at::Tensor& x, const at::Tensor& w, const at:
   TORCH_CHECK(K % QK_K == 0 && w.size(2) == K / QK_K * bytes, "kq_experts_matmul: activations of ", K,
               " features need rows of ", K / QK_K * bytes, " bytes, got ", w.size(2));
   const at::Tensor ids = ids_in.to(at::kLong).contiguous();
-  TORCH_CHECK(T > 0 && P % T == 0, "kq_experts_matmul: the ", P, " expert ids must be a multiple of x's ", T,
+  TORCH_CHECK(T > 0 ? P % T == 0 : P == 0, "kq_experts_matmul: the ", P, " expert ids must be a multiple of x's ", T,
               " rows (row t serves ids t·P/T ..)");
-  const int64_t per = P / T;
+  const int64_t per = T > 0 ? P / T : 1;
   const int64_t* idp = ids.data_ptr<int64_t>();
   for (int64_t p = 0; p < P; ++p) TORCH_CHECK(idp[p] >= 0 && idp[p] < E, "kq_experts_matmul: expert ", idp[p], " out of range");
   const bool avx2 = parse_isa(isa) == Isa::Avx2;

@@ -820,7 +820,7 @@ at::Tensor q8_experts_matmul(const at::Tensor& x, const at::Tensor& w, const at:
   const int64_t T = x.size(0), K = x.size(1), E = w.size(0), N = w.size(1), nb = K / QK8, P = ids_in.numel();
   check_row_bytes(w, K, ggml_type, "q8_experts_matmul");
   const at::Tensor ids = ids_in.to(at::kLong).contiguous();
-  TORCH_CHECK(T > 0 && P % T == 0, "q8_experts_matmul: the ", P, " expert ids must be a multiple of x's ", T,
+  TORCH_CHECK(T > 0 ? P % T == 0 : P == 0, "q8_experts_matmul: the ", P, " expert ids must be a multiple of x's ", T,
               " rows (row t serves ids t·P/T ..)");
   const int64_t* idp = ids.data_ptr<int64_t>();
   for (int64_t p = 0; p < P; ++p) TORCH_CHECK(idp[p] >= 0 && idp[p] < E, "q8_experts_matmul: expert ", idp[p], " out of range");

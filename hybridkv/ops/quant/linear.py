@@ -213,7 +213,7 @@ class QuantExperts:
         """Row p·T/P of x [T, in] times expert ids[p]'s W → [P, out] in x's dtype (P = len(ids) a
         multiple of T: each token's row serves its P/T consecutive pairs, quantized once): every
         (token, expert) pair of a decode step or chunk in one kernel call per part."""
-        if x.dim() != 2 or ids.dim() != 1 or x.shape[0] == 0 or ids.shape[0] % x.shape[0]:
+        if x.dim() != 2 or ids.dim() != 1 or (ids.shape[0] % x.shape[0] if x.shape[0] else ids.shape[0]):
             raise ValueError(
                 f"pairs_matmul takes x [T, in] and a multiple of T expert ids, got {tuple(x.shape)}, {tuple(ids.shape)}"
             )
@@ -243,7 +243,7 @@ def _pairs_part(x: torch.Tensor, part: Part, ids: torch.Tensor) -> torch.Tensor:
             return native_q8_experts_matmul(x.float(), blocks, ids, int(part.btype.ggml_type))
         return native_k_experts_matmul(x.float(), blocks, ids, int(part.btype.ggml_type))
     # without the kernels (or under float_activations): each pair through its expert's own product
-    per = ids.shape[0] // x.shape[0]
+    per = ids.shape[0] // max(x.shape[0], 1)
     rows = [
         QuantLinear((_expert_part(part, e),)).matmul(x[p // per : p // per + 1]).float()
         for p, e in enumerate(ids.tolist())
