@@ -1696,6 +1696,15 @@ inline int32_t load_i32(const int8_t* p) {
   return v;
 }
 
+// acc += codes · (the 4 activation bytes at p, in every lane), the broadcast taken by the dot
+// product's own load ({1to16}) rather than by a `vpbroadcastd` of its own, which GCC emits for
+// `_mm512_set1_epi32(load_i32(p))`: half the instructions of the products' inner loop; the same
+// integers. The 0.8B Q4_K_M chat turn 1.013x (one process, alternating; Zen 4, 2 threads).
+ALWAYS_INLINE __m512i dpbusd_at(__m512i acc, __m512i codes, const int8_t* p) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(codes), "m"(*reinterpret_cast<const int32_t*>(p)));
+  return acc;
+}
+
 // A tiled super-block's scales in lanes, decoded once for all the activation rows that meet it:
 // the sub-blocks' scales (the even ones times 16: their codes are the low nibbles, the odd ones'
 // high nibbles are taken as they lie, 16 × the code), the mins in i16 pairs (m_2j, m_2j+1), d/16
@@ -1730,8 +1739,8 @@ ALWAYS_INLINE void tiled_superblock(const uint8_t* tb, const TileScales& k, cons
       const __m512i codes = _mm512_loadu_si512(tb + 256 + 64 * (8 * c + g));
       const __m512i cl = _mm512_and_si512(codes, low), ch = _mm512_and_si512(codes, high);
       for (int t = 0; t < G; ++t) {
-        lo[t] = _mm512_dpbusd_epi32(lo[t], cl, _mm512_set1_epi32(load_i32(a[t] + 64 * c + 4 * g)));
-        hi[t] = _mm512_dpbusd_epi32(hi[t], ch, _mm512_set1_epi32(load_i32(a[t] + 64 * c + 32 + 4 * g)));
+        lo[t] = dpbusd_at(lo[t], cl, a[t] + 64 * c + 4 * g);
+        hi[t] = dpbusd_at(hi[t], ch, a[t] + 64 * c + 32 + 4 * g);
       }
     }
     for (int t = 0; t < G; ++t)
@@ -1798,10 +1807,10 @@ ALWAYS_INLINE void tiled6_superblock(const uint8_t* tb, const Tile6Scales& k, co
         c = own;
       }
       for (int t = 0; t < G; ++t) {
-        P[t] = _mm512_dpbusd_epi32(P[t], c[0], _mm512_set1_epi32(load_i32(a[t] + 4 * n)));
-        P[t] = _mm512_dpbusd_epi32(P[t], c[1], _mm512_set1_epi32(load_i32(a[t] + 4 * n + 4)));
-        Q[t] = _mm512_dpbusd_epi32(Q[t], c[2], _mm512_set1_epi32(load_i32(a[t] + 128 + 4 * n)));
-        Q[t] = _mm512_dpbusd_epi32(Q[t], c[3], _mm512_set1_epi32(load_i32(a[t] + 128 + 4 * n + 4)));
+        P[t] = dpbusd_at(P[t], c[0], a[t] + 4 * n);
+        P[t] = dpbusd_at(P[t], c[1], a[t] + 4 * n + 4);
+        Q[t] = dpbusd_at(Q[t], c[2], a[t] + 128 + 4 * n);
+        Q[t] = dpbusd_at(Q[t], c[3], a[t] + 128 + 4 * n + 4);
       }
     }
     const __m512i sl = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tb + 32 + 16 * j)));
