@@ -566,7 +566,7 @@ def test_k_quants_are_tiled_where_the_16_lane_kernel_runs_and_rows_allow(
 @pytest.mark.skipif(native.kernels() is None, reason="C++ kernels could not be built here")
 @pytest.mark.parametrize(("file_t", "tiled_t", "tile"), TILED, ids=lambda v: getattr(v, "name", ""))
 def test_tiled_experts_matmul_equals_each_tokens_product_on_its_expert(
-    file_t: GGMLType, tiled_t: GGMLType, tile: Callable[[torch.Tensor], torch.Tensor]
+    file_t: GGMLType, tiled_t: GGMLType, tile: Callable[[torch.Tensor], torch.Tensor], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Experts tiled at load (each expert's 32 rows: two tiles): expert 0 meets 70 tokens (two
     TILE_T passes), expert 1 two, expert 2 one, experts 3 and 4 seven and five (4 + 3, 4 + 1 rows in
@@ -587,9 +587,12 @@ def test_tiled_experts_matmul_equals_each_tokens_product_on_its_expert(
     experts = QuantExperts((QuantizedWeight(w, block_type(tiled_t), (E, N, K)),))
     assert_close(experts.pairs_matmul(x, ids), want, rel=1e-6)
     pairs = torch.arange(90) % E  # k = 3
-    assert torch.equal(experts.pairs_matmul(x[:30], pairs), experts.pairs_matmul(x[:30].repeat_interleave(3, 0), pairs))
+    got = experts.pairs_matmul(x[:30], pairs)
+    assert torch.equal(got, experts.pairs_matmul(x[:30].repeat_interleave(3, 0), pairs))
     with pytest.raises(ValueError, match="multiple of T expert ids"):
         experts.pairs_matmul(x[:29], pairs)
+    monkeypatch.setattr(native, "disabled", True)  # the PyTorch twin, pair by pair, takes rows alike
+    assert_close(experts.pairs_matmul(x[:30], pairs), got, rel=1e-6)
     assert_close(
         experts.expert(4).matmul(x[:3]), torch.from_numpy(emulate(x[:3].numpy(), rows[4], file_t)[2]), rel=1e-6
     )
