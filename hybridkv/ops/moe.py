@@ -55,7 +55,7 @@ def moe_block(
         parts = (pairs, weights, shared, shared_gate)
         if all(t.dtype == torch.float32 for t in parts) and native.enabled(*parts):
             return native.moe_combine(*parts)  # as `decode_layer`'s `block_moe`
-    routed = _weighted(pairs, weights, x) if pairs is not None else routed_experts(x, experts, weights, gate_up, down)
+    routed = _weighted(pairs, weights, x) if pairs is not None else _routed(x, experts, weights, gate_up, down)
     return routed + shared * torch.sigmoid(shared_gate)
 
 
@@ -78,10 +78,15 @@ def routed_experts(
     kernel call per projection (`pairs_matmul`, up to PAIRS_ROWS pairs where every part has a
     kernel), more pairs the same loop on each expert's blocks.
     """
-    top_k = experts.shape[1]
     pairs = _pair_products(x, experts, gate_up, down)
-    if pairs is not None:
-        return _weighted(pairs, weights, x)
+    return _weighted(pairs, weights, x) if pairs is not None else _routed(x, experts, weights, gate_up, down)
+
+
+def _routed(
+    x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: Experts, down: Experts
+) -> torch.Tensor:
+    """`routed_experts` where its pairs do not go to one kernel call per projection."""
+    top_k = experts.shape[1]
     weights = weights.to(x.dtype)
     if isinstance(gate_up, QuantExperts) or isinstance(down, QuantExperts):
         return _routed_loop(x, experts, weights, gate_up, down)

@@ -57,6 +57,16 @@ Q4_K_T = 1013
 Q6_K_T = 1014
 
 
+def untiled(rows: torch.Tensor, ggml_id: int) -> tuple[torch.Tensor, int]:
+    """Rows of a type tiled at load (Q4_K_T, Q6_K_T: whole tiles of 16 rows, [..., 16·n, ·]) as
+    the file's rows and type (a copy); any other type's rows as they are."""
+    if ggml_id == Q4_K_T:
+        return blocks.untile_q4_k(rows), 12
+    if ggml_id == Q6_K_T:
+        return blocks.untile_q6_k(rows), 14
+    return rows, ggml_id
+
+
 class Q8KRows(NamedTuple):
     """Activation rows in Q8_K blocks: q int8 [T, K], d float32 [T, nb], bsums int16 [T, K/16];
     x ≈ d·q per super-block."""
@@ -99,10 +109,7 @@ def split_k(rows: torch.Tensor, ggml_id: int) -> KRows:
     """K-quant rows uint8 [N, nb·block_bytes] → their codes, scales, mins and d's."""
     if ggml_id == Q4_K_R:
         rows, ggml_id = blocks.unrepack_q4_k(rows), 12
-    if ggml_id == Q4_K_T:
-        rows, ggml_id = blocks.untile_q4_k(rows), 12
-    if ggml_id == Q6_K_T:
-        rows, ggml_id = blocks.untile_q6_k(rows), 14
+    rows, ggml_id = untiled(rows, ggml_id)
     kt = K_TYPES[ggml_id]
     N = rows.shape[0]
     b = rows.reshape(-1, kt.block_bytes)

@@ -159,10 +159,8 @@ def dequantize(rows: torch.Tensor, type_id: int | GGMLType, out: torch.Tensor | 
     t = block_type(type_id)
     if rows.dtype != torch.uint8:
         raise TypeError(f"{t.name} rows must be uint8 block bytes, not {rows.dtype}")
-    if t.ggml_type == GGMLType.Q4_K_T:  # whole tiles of 16 rows: untiled first
-        return dequantize(blocks.untile_q4_k(rows), GGMLType.Q4_K, out)
-    if t.ggml_type == GGMLType.Q6_K_T:
-        return dequantize(blocks.untile_q6_k(rows), GGMLType.Q6_K, out)
+    if t.ggml_type in (GGMLType.Q4_K_T, GGMLType.Q6_K_T):  # whole tiles of 16 rows: untiled first
+        return dequantize(*k_dot.untiled(rows, t.ggml_type), out)
     *lead, row_bytes = rows.shape
     row_elems = t.row_elems(row_bytes)
     if out is None and t.ggml_type == GGMLType.F32:

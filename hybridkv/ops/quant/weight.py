@@ -7,7 +7,6 @@ from dataclasses import dataclass
 import torch
 
 from hybridkv.ops import native
-from hybridkv.ops.quant.blocks import untile_q4_k, untile_q6_k
 from hybridkv.ops.quant.int8_dot import FEW_ROWS, native_q8_dequantize_rows
 from hybridkv.ops.quant.k_dot import (
     native_k_dequantize_rows,
@@ -15,6 +14,7 @@ from hybridkv.ops.quant.k_dot import (
     native_tile_q4_k,
     native_tile_q6_k,
     native_tiles_q4_k,
+    untiled,
 )
 from hybridkv.ops.quant.traits import BlockType, GGMLType, block_type, dequantize
 
@@ -84,10 +84,9 @@ class QuantizedWeight:
             if t.vec_dot_type == GGMLType.Q8_K:  # the K-quants
                 return native_k_dequantize_rows(blocks, ids, int(t.ggml_type))
             return native_q8_dequantize_rows(blocks, ids, int(t.ggml_type))  # the 32-weight types
-        if t.ggml_type == GGMLType.Q4_K_T:  # rows interleaved 16 at a time: looked up once untiled
-            t, blocks = block_type(GGMLType.Q4_K), untile_q4_k(blocks)
-        if t.ggml_type == GGMLType.Q6_K_T:
-            t, blocks = block_type(GGMLType.Q6_K), untile_q6_k(blocks)
+        if t.ggml_type in (GGMLType.Q4_K_T, GGMLType.Q6_K_T):  # rows interleaved 16 at a time: looked up once untiled
+            blocks, file_type = untiled(blocks, t.ggml_type)
+            t = block_type(file_type)
         picked = QuantizedWeight(blocks.index_select(0, ids), t, (ids.shape[0], *self.shape[1:]))
         return picked.dequantize()
 
