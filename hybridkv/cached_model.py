@@ -20,6 +20,7 @@ from hybridkv.models.sources import ResolvedModel, resolve_model
 from hybridkv.models.weights import MemoryShare, cache_room, check_memory_fit, format_bytes
 from hybridkv.ops import native
 from hybridkv.ops.malloc import keep_freed_memory
+from hybridkv.ops.quant import stream
 
 log = logging.getLogger("hybridkv")
 LogitsMode = Literal["all", "last", "none"]
@@ -122,6 +123,7 @@ class CachedModel:
         check_memory_fit(weight_bytes, sizes.total_bytes, memory)
         loaded = load_model(model_dir, dtype, quantize=quantize, mtp=mtp_hidden if mtp else None)
         native.enabled()  # the C++ kernels built (first time on this machine, ~10 s) or loaded now, not mid-request
+        stream.tune(stream.held_weights(loaded))  # decode's weight streams: fetched ahead or not, as is faster here
         keep_freed_memory()  # each step's large buffers reused, not faulted in and zeroed again
         return cls(loaded, loaded.config, cache, dtype)
 

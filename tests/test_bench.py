@@ -14,7 +14,7 @@ import torch
 from rich.console import Console
 
 from hybridkv import CachedModel, bench, cli
-from hybridkv.bench.machine import Limits, WeightCounts, last_level_cache_bytes
+from hybridkv.bench.machine import Limits, WeightCounts
 from hybridkv.bench.profile import op_families, part_times
 from hybridkv.bench.report import print_table, write_json
 from hybridkv.bench.workload import (
@@ -30,6 +30,7 @@ from hybridkv.bench.workload import (
 )
 from hybridkv.models import ModelConfig
 from hybridkv.ops import native
+from hybridkv.ops.quant.stream import last_level_cache_bytes
 
 
 def scenario_names(spec_methods: tuple[str, ...] = ("ngram", "mtp", "auto"), verify_k: int = 8) -> list[str]:

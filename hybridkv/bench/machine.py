@@ -13,12 +13,10 @@ percent, which the floor ignores).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +25,7 @@ from hybridkv.models import Qwen3NextModel
 from hybridkv.ops.matmul import BF16_GEMM, mm
 from hybridkv.ops.quant import QuantizedWeight
 from hybridkv.ops.quant.linear import QuantExperts, QuantLinear
+from hybridkv.ops.quant.stream import last_level_cache_bytes
 
 
 def best_time(fn: Callable[[], object], reps: int) -> float:
@@ -39,17 +38,6 @@ def best_time(fn: Callable[[], object], reps: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return min(times)
-
-
-def last_level_cache_bytes(path: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
-    """The largest cache of CPU 0 as sysfs gives it ("32768K", "300M"); 0 where unknown."""
-    sizes = [0]
-    for index in path.glob("index*"):
-        with contextlib.suppress(OSError, ValueError):
-            text = (index / "size").read_text().strip().upper()
-            scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
-            sizes.append(int(text.rstrip("KMG")) * scale)
-    return max(sizes)
 
 
 def read_bytes_per_second(reps: int) -> float:

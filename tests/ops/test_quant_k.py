@@ -14,9 +14,9 @@ from op_checks import assert_close
 from test_quant import gguf_dequantize, random_rows
 
 from hybridkv.ops import native
-from hybridkv.ops.quant import GGMLType, QuantizedWeight, block_type, int8_dot, k_dot
+from hybridkv.ops.quant import GGMLType, QuantizedWeight, block_type, int8_dot, k_dot, stream
 from hybridkv.ops.quant import blocks as block_fns
-from hybridkv.ops.quant.linear import QuantExperts
+from hybridkv.ops.quant.linear import QuantExperts, QuantLinear
 from hybridkv.ops.quant.weight import for_kernels
 
 K_QUANTS = [GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
@@ -596,3 +596,61 @@ def test_tiled_experts_matmul_equals_each_tokens_product_on_its_expert(
     assert_close(
         experts.expert(4).matmul(x[:3]), torch.from_numpy(emulate(x[:3].numpy(), rows[4], file_t)[2]), rel=1e-6
     )
+
+
+@pytest.fixture
+def stream_setting():
+    """The fetch-ahead setting of the tiled products, put back as it was after the test."""
+    before = stream.native_stream_ahead()
+    yield
+    stream.native_stream_ahead(before)
+
+
+@pytest.mark.skipif(native.kernels() is None, reason="C++ kernels could not be built here")
+@pytest.mark.parametrize(("file_t", "tiled_t", "tile"), TILED, ids=lambda v: getattr(v, "name", ""))
+def test_fetching_weights_ahead_or_not_gives_the_same_products(
+    stream_setting: None, file_t: GGMLType, tiled_t: GGMLType, tile: Callable[[torch.Tensor], torch.Tensor]
+) -> None:
+    if not k_dot.native_tiles_q4_k():
+        assert stream.native_stream_ahead(True) is False  # no tiled products here: nothing to set
+        return
+    rows = weight_rows(file_t, 64, 512, seed=3)
+    w, experts = tile(torch.from_numpy(rows)), tile(torch.from_numpy(rows)).view(4, 16, -1)
+    for T in (1, 3, 8, 9):  # the fetch at up to 8 rows; 9 takes the next-tile form either way
+        x = activations(T, 512, seed=T)
+        ids = torch.arange(2 * T) % 4
+        _, _, want = emulate(x.numpy(), rows, file_t)
+        got = {}
+        for on in (True, False):
+            stream.native_stream_ahead(on)
+            assert stream.native_stream_ahead() is on
+            got[on] = (k_dot.native_k_matmul(x, w, tiled_t), k_dot.native_k_experts_matmul(x, experts, ids, tiled_t))
+        assert torch.equal(got[True][0], got[False][0]) and torch.equal(got[True][1], got[False][1])
+        assert_close(got[True][0], torch.from_numpy(want), rel=1e-6)
+
+
+@pytest.mark.skipif(native.kernels() is None, reason="C++ kernels could not be built here")
+def test_tune_times_the_largest_tiled_weight_only_when_it_outgrows_the_cache(
+    stream_setting: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    small, larger = (
+        for_kernels(QuantizedWeight.of(torch.from_numpy(weight_rows(t, n, 512, seed=n)), t))
+        for t, n in ((GGMLType.Q4_K, 32), (GGMLType.Q6_K, 64))
+    )
+    held = QuantLinear((small, torch.zeros(512, 8)))
+    module = torch.nn.Module()
+    module.proj, module.head = held, larger
+    assert [id(w) for w in stream.held_weights(module)] == [id(small), id(larger)]  # a part, an attribute
+    if not k_dot.native_tiles_q4_k():
+        assert stream.tune(stream.held_weights(module)) is None
+        return
+    stream.native_stream_ahead(False)
+    assert stream.tune([small, larger]) is None  # 100 KB fit in any last-level cache: not timed
+    assert stream.native_stream_ahead() is False  # left as it was
+    timed: list[int] = []
+    monkeypatch.setattr(stream, "last_level_cache_bytes", lambda: 0)
+    real = stream.native_k_matmul
+    monkeypatch.setattr(stream, "native_k_matmul", lambda x, rows, t: timed.append(rows.numel()) or real(x, rows, t))
+    keep = stream.tune([small, larger], reps=3)
+    assert isinstance(keep, bool) and stream.native_stream_ahead() is keep
+    assert timed == [larger.blocks.numel()] * 8  # the largest only: a warm-up and 3 of each, alternating

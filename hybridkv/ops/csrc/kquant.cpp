@@ -23,6 +23,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -1867,15 +1868,19 @@ std::vector<int32_t> tile_pairs(const Q8K& xq) {
   return xpair;
 }
 
-// Decode streams the weights once at a few operations a cache line: too few lines are in flight
-// for the read bandwidth when only the out-of-order window asks (a tiled product at one row
-// read 21 GB/s on one Zen 5 core, where a sum reads 41). Each super-block met by at most
-// STREAM_ROWS activation rows asks for the bytes STREAM_AHEAD past it into L1 (1-4 KiB: the
-// same within noise; past the end of a thread's share or of the tensor only costs a line): 1
-// row, 2 threads: 37 → 51 GB/s (Q6_K), 38 → 56 (Q4_K); at 8 rows Q6_K 26 → 31, Q4_K the same;
-// at 16 nothing. The 0.8B Q4_K_M decode step 1.27x. Into L2 instead (T1, as `ahead`) or the
-// next tile's super-block (a tile on, 9-32 KiB): less, and on Zen 4 that form was 0.88x.
+// Decode streams the weights once at a few operations a cache line: on a Zen 5 host too few
+// lines were in flight for the read bandwidth when only the out-of-order window asked (a tiled
+// product at one row read 21 GB/s on one core, where a sum reads 41). There, each super-block met
+// by at most STREAM_ROWS activation rows asking for the bytes STREAM_AHEAD past it into L1 (1-4
+// KiB: the same within noise; past the end of a thread's share or of the tensor only costs a
+// line) took 1 row, 2 threads from 37 to 51 GB/s (Q6_K), 38 to 56 (Q4_K); 8 rows Q6_K 26 → 31,
+// Q4_K the same; 16 rows nothing; the 0.8B Q4_K_M decode step 1.27x. On a Zen 4 host a software
+// prefetch of these streams was slower (0.88x; its hardware prefetcher follows them better
+// alone), so whether to ask is the flag `kq_stream_ahead` sets: `ops.quant.stream.tune` measures
+// both on the model's largest tiled weight when a model loads. Into L2 (T1, as `ahead`) or a
+// tile on (9-32 KiB): less than this on the Zen 5 host.
 constexpr int64_t STREAM_AHEAD = 2048, STREAM_ROWS = 8;
+std::atomic<bool> g_stream_ahead{true};
 ALWAYS_INLINE void stream_ahead(const uint8_t* p, int64_t bytes) {
   for (int64_t line = 0; line < bytes; line += 64)
     _mm_prefetch(reinterpret_cast<const char*>(p + STREAM_AHEAD + line), _MM_HINT_T0);
@@ -1889,6 +1894,7 @@ template <class TT>
 ALWAYS_INLINE void tile_product(const Q8K& xq, const int32_t* xpair, const uint8_t* tw, const int64_t* act,
                                 const int64_t* rows, int64_t n_rows, float* y, int64_t ldy, const uint8_t* ahead) {
   const int64_t nb = xq.K / QK_K, P = TT::pairs;
+  const bool fetch_ahead = g_stream_ahead.load(std::memory_order_relaxed);
   __m512 acc[TILE_T];
   const int8_t* a[4];
   const int32_t* xp[4];
@@ -1902,7 +1908,7 @@ ALWAYS_INLINE void tile_product(const Q8K& xq, const int32_t* xpair, const uint8
       if (t0 == 0 && n > STREAM_ROWS && ahead != nullptr)
         for (int64_t line = 0; line < TT::bytes; line += 64)
           _mm_prefetch(reinterpret_cast<const char*>(ahead + b * TT::bytes + line), _MM_HINT_T1);
-      if (n <= STREAM_ROWS) stream_ahead(tb, TT::bytes);
+      if (n <= STREAM_ROWS && fetch_ahead) stream_ahead(tb, TT::bytes);
       const typename TT::Scales k(tb, n);
       for (int64_t t = 0; t < n; t += 4) {
         const int take = static_cast<int>(std::min<int64_t>(4, n - t));
@@ -2310,6 +2316,16 @@ bool kq_tiled() {
 #endif
 }
 
+// Whether the tiled products at up to STREAM_ROWS rows fetch their weights ahead (`stream_ahead`):
+// set < 0 asks, 0 or 1 sets; the value before.
+bool kq_stream_ahead(int64_t set) {
+#ifdef HYBRIDKV_TILED
+  return set < 0 ? g_stream_ahead.load() : g_stream_ahead.exchange(set != 0);
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 namespace hybridkv::ops {  // for layer.cpp (ops.h)
@@ -2334,6 +2350,7 @@ TORCH_LIBRARY_FRAGMENT(hybridkv, m) {
   m.def("kq_tile_q4_k(Tensor rows, bool inverse) -> Tensor");
   m.def("kq_tile_q6_k(Tensor rows, bool inverse) -> Tensor");
   m.def("kq_tiled() -> bool", kq_tiled);  // whether this build has the tiled kernel
+  m.def("kq_stream_ahead(int set) -> bool", kq_stream_ahead);
 }
 
 TORCH_LIBRARY_IMPL(hybridkv, CPU, m) {

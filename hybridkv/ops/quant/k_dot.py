@@ -248,6 +248,12 @@ def native_tiles_q4_k() -> bool:
     return bool(_ops().kq_tiled())
 
 
+def native_stream_ahead(on: bool | None = None) -> bool:
+    """Whether the tiled products of up to 8 activation rows fetch their weights ahead
+    (`ops.quant.stream`); `on` sets it. Returns the value before (False without the tiled kernel)."""
+    return bool(_ops().kq_stream_ahead(-1 if on is None else int(on)))
+
+
 def native_k_experts_matmul(
     x: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, ggml_id: int, isa: str = "auto"
 ) -> torch.Tensor:
