@@ -1737,7 +1737,8 @@ ALWAYS_INLINE void tiled_superblock(const uint8_t* tb, const TileScales& k, cons
     __m512i lo[G], hi[G];
     for (int t = 0; t < G; ++t) lo[t] = hi[t] = _mm512_setzero_si512();
     for (int g = 0; g < 8; ++g) {
-      const __m512i codes = _mm512_loadu_si512(tb + 256 + 64 * (8 * c + g));
+      __m512i codes = _mm512_loadu_si512(tb + 256 + 64 * (8 * c + g));
+      asm("" : "+v"(codes));  // loaded once: GCC otherwise folds the load into both masks
       const __m512i cl = _mm512_and_si512(codes, low), ch = _mm512_and_si512(codes, high);
       for (int t = 0; t < G; ++t) {
         lo[t] = dpbusd_at(lo[t], cl, a[t] + 64 * c + 4 * g);
