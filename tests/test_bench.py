@@ -420,6 +420,10 @@ def test_against_llama_cpp_on_the_same_file():
     print_llama_cpp(doc, Console(file=out, width=160))
     text = out.getvalue()
     assert "hybridkv vs llama.cpp" in text and "regenerate_ttft" in text and "bandwidth roofline" in text
+    from hybridkv.bench.llama_cpp import fetch_ahead
+
+    assert doc["run"]["decode_fetch_ahead"] is fetch_ahead()  # the load's choice, None without tiled products
+    assert ("(chosen at load)" in text) == (fetch_ahead() is not None)
 
 
 @pytest.mark.parametrize("name", ["qwen35moe-k-q4_k_m.gguf", "qwen35-tiny-q8_0.gguf"])

@@ -263,8 +263,17 @@ def run(
         "llama_cpp_python": peer.version,
         "seconds": time.perf_counter() - started,
         "plan": {k: getattr(plan, k) for k in ("reps", "warmup", "decode_steps")},
+        "decode_fetch_ahead": fetch_ahead(),  # as `ops.quant.stream.tune` chose it at load
     }
     return {"scenarios": scenarios, "run": run_info}
+
+
+def fetch_ahead() -> bool | None:
+    """Whether decode's tiled products fetch their weights ahead here (None: no tiled products)."""
+    from hybridkv.ops import native
+    from hybridkv.ops.quant.k_dot import native_stream_ahead, native_tiles_q4_k
+
+    return native_stream_ahead() if native.enabled() and native_tiles_q4_k() else None
 
 
 def print_llama_cpp(document: dict[str, Any], console: Any) -> None:
@@ -298,7 +307,11 @@ def print_llama_cpp(document: dict[str, Any], console: Any) -> None:
             f"decode_b1 against the bandwidth roofline: {d['read_bytes_per_token'] / 2**20:.0f} MiB a step, read at "
             f"{probes} GB/s before and after (the faster counts) = {d['roofline_ms']:.1f} ms at best; hybridkv "
             f"{'[green]' if met else '[red]'}{d['hybridkv_of_roofline']:.2f}×[/] of it (target ≤ "
-            f"{d['roofline_target']:.1f}×), llama.cpp {d['llama_cpp_of_roofline']:.2f}×",
+            f"{d['roofline_target']:.1f}×), llama.cpp {d['llama_cpp_of_roofline']:.2f}×"
+            + {
+                True: "; weights fetched ahead (chosen at load)",
+                False: "; weights not fetched ahead (chosen at load)",
+            }.get(run.get("decode_fetch_ahead"), ""),
             highlight=False,
         )
 
