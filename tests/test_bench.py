@@ -424,6 +424,32 @@ def test_against_llama_cpp_on_the_same_file():
 
     assert doc["run"]["decode_fetch_ahead"] is fetch_ahead()  # the load's choice, None without tiled products
     assert ("(chosen at load)" in text) == (fetch_ahead() is not None)
+    assert doc["run"]["hybridkv_threads"] == "fixed" and "left idle" not in text
+    adapted = run_llama_cpp(GGUF_K, 1, plan, log=lambda line: None, adapt_threads=True)  # as its engine, <= 1
+    assert adapted["run"]["hybridkv_threads"] == [1]
+    out = io.StringIO()
+    print_llama_cpp(adapted, Console(file=out, width=400))
+    assert "hybridkv on the cores other processes left idle, as its engine without --threads: 1 thread(s) used" in (
+        out.getvalue()
+    )
+
+
+def test_the_llama_cpp_bench_sets_hybridkvs_threads_before_each_timed_call():
+    from hybridkv.bench.llama_cpp import OurThreads
+
+    counts = iter([2, 1, 1, 2])
+
+    class Cores:
+        def update(self) -> int:
+            return next(counts)
+
+    threads = OurThreads(Cores())  # type: ignore[arg-type]
+    for _ in range(4):
+        threads()
+    assert threads.used == {1, 2}
+    fixed = OurThreads(None)
+    fixed()
+    assert fixed.used == set()
 
 
 @pytest.mark.parametrize("name", ["qwen35moe-k-q4_k_m.gguf", "qwen35-tiny-q8_0.gguf"])

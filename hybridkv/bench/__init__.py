@@ -83,7 +83,13 @@ def add_parser(commands: Any) -> None:
         help="the engine to measure against (default transformers); llama.cpp runs --model FILE.gguf through "
         "llama-cpp-python (the [peers] extra)",
     )
-    bench.add_argument("--threads", type=int, metavar="N", help="threads for both engines (default: torch's)")
+    bench.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="threads for both engines (default: torch's; with --peer llama.cpp, hybridkv then takes the cores "
+        "other processes leave idle, up to that many, as its engine does, and llama.cpp all of them)",
+    )
     bench.add_argument(
         "--cache-dir",
         metavar="DIR",
@@ -202,17 +208,20 @@ def _main_llama_cpp(args: argparse.Namespace, err: Any) -> int:
             f"--peer llama.cpp runs a GGUF file in both engines: --model FILE.gguf, got {args.model}"
         )
     threads = args.threads or torch.get_num_threads()
+    adapt = args.threads is None  # as `hybridkv serve` / `run`: no --threads, the cores others leave idle
     log = lambda line: err.print(line, style="dim", highlight=False)  # noqa: E731
     plan = QUICK if args.quick else FULL
     if args.model is not None:
-        document = run_llama_cpp(Path(args.model), threads, plan, log, kv_dtype_flag(args))
+        document = run_llama_cpp(Path(args.model), threads, plan, log, kv_dtype_flag(args), adapt)
     else:  # the shape, written as a GGUF file next to its checkpoint
         from hybridkv.bench.llama_cpp import shape_file
         from hybridkv.bench.workload import SHAPES, cached_checkpoint
 
         with tempfile.TemporaryDirectory() as tmp:
             checkpoint = cached_checkpoint(SHAPES[args.shape], DTYPES[args.dtype], args.cache_dir or Path(tmp), log)
-            document = run_llama_cpp(shape_file(checkpoint, args.gguf, log), threads, plan, log, kv_dtype_flag(args))
+            document = run_llama_cpp(
+                shape_file(checkpoint, args.gguf, log), threads, plan, log, kv_dtype_flag(args), adapt
+            )
     if args.json is not None:
         write_json(document, args.json)
     out = Console()

@@ -31,6 +31,7 @@ from hybridkv.bench.report import _num
 from hybridkv.bench.scenarios import Result, _median, _timed
 from hybridkv.bench.workload import Chat, Plan, random_ids
 from hybridkv.cached_model import CachedModel
+from hybridkv.engine.threads import IdleCores
 from hybridkv.errors import NotSupported
 
 SEQUENCES = 8
@@ -91,11 +92,26 @@ def _alternate(plan: Plan, ours: Callable[[], float], theirs: Callable[[], float
     return _median([t[0] for t in times]), _median([t[1] for t in times])
 
 
-def prefill(cm: CachedModel, peer: LlamaCpp, plan: Plan, n: int) -> Result:
+class OurThreads:
+    """hybridkv's thread count before each of its timed calls: fixed (None), or as its engine sets it
+    when no --threads is given (`IdleCores`: the cores other processes leave idle, looked at every
+    half second), with the counts used kept for the report."""
+
+    def __init__(self, cores: IdleCores | None) -> None:
+        self.cores = cores
+        self.used: set[int] = set()
+
+    def __call__(self) -> None:
+        if self.cores is not None:
+            self.used.add(self.cores.update())
+
+
+def prefill(cm: CachedModel, peer: LlamaCpp, plan: Plan, n: int, threads: OurThreads) -> Result:
     ids = random_ids(n, cm.vocab_size, seed=n)
 
     def ours() -> float:
         seq = cm.new_sequence()
+        threads()
         try:
             return _timed(lambda: cm.feed({seq: ids}, logits="last"))
         finally:
@@ -109,7 +125,7 @@ def prefill(cm: CachedModel, peer: LlamaCpp, plan: Plan, n: int) -> Result:
     return Result(f"prefill_{n}", n / t_ours, n / t_theirs, "tok/s", TARGETS.get(f"prefill_{n}"))
 
 
-def decode(cm: CachedModel, peer: LlamaCpp, plan: Plan, batch: int) -> Result:
+def decode(cm: CachedModel, peer: LlamaCpp, plan: Plan, batch: int, threads: OurThreads) -> Result:
     name = f"decode_b{batch}"
     prompts = [random_ids(plan.decode_prompt, cm.vocab_size, seed=1000 + i) for i in range(batch)]
     steps = plan.warmup + plan.decode_steps
@@ -124,6 +140,7 @@ def decode(cm: CachedModel, peer: LlamaCpp, plan: Plan, batch: int) -> Result:
         for step in range(steps):
             ours_feed = {s: [next_ids[i][step]] for i, s in enumerate(seqs)}
             theirs_feed = {i: [next_ids[i][step]] for i in range(batch)}
+            threads()
             t_ours = _timed(functools.partial(cm.feed, ours_feed, logits="last"))
             t_theirs = _timed(functools.partial(peer.feed, theirs_feed))
             if step >= plan.warmup:
@@ -139,7 +156,7 @@ def decode(cm: CachedModel, peer: LlamaCpp, plan: Plan, batch: int) -> Result:
     return Result(name, batch / t_ours, batch / t_theirs, "tok/s", TARGETS.get(name), notes=notes)
 
 
-def chat(cm: CachedModel, peer: LlamaCpp, plan: Plan) -> list[Result]:
+def chat(cm: CachedModel, peer: LlamaCpp, plan: Plan, threads: OurThreads) -> list[Result]:
     layout = plan.chat
     conv = Chat.build(layout, cm.vocab_size)
     tokens = conv.tokens
@@ -156,6 +173,7 @@ def chat(cm: CachedModel, peer: LlamaCpp, plan: Plan) -> list[Result]:
             )
 
         def ours_turn() -> float:
+            threads()
             elapsed = _timed(
                 lambda: cm.feed(
                     {seq: tokens[turn_start:prompt_end]},
@@ -179,6 +197,7 @@ def chat(cm: CachedModel, peer: LlamaCpp, plan: Plan) -> list[Result]:
 
         def ours_regenerate() -> float:
             before = cm.stats()["tokens_computed"]
+            threads()
             start = time.perf_counter()
             child = cm.fork(seq, message_end)
             cm.feed({child: header}, logits="last")
@@ -224,13 +243,21 @@ def roofline(result: Result, read_bytes: float, probes: list[float]) -> dict[str
 
 
 def run(
-    path: Path, threads: int, plan: Plan, log: Callable[[str], None] = print, kv_dtype: torch.dtype | None = None
+    path: Path,
+    threads: int,
+    plan: Plan,
+    log: Callable[[str], None] = print,
+    kv_dtype: torch.dtype | None = None,
+    adapt_threads: bool = False,
 ) -> dict[str, Any]:
     """Every scenario on the GGUF file at `path`; the JSON document (`print_llama_cpp` prints it).
-    `kv_dtype`: hybridkv's K/V cache type (None: float32; llama.cpp's own is float16)."""
+    `kv_dtype`: hybridkv's K/V cache type (None: float32; llama.cpp's own is float16).
+    `adapt_threads`: hybridkv on the cores other processes leave idle, up to `threads`, as its
+    engine runs when no --threads is given (`IdleCores`); llama.cpp always on `threads`."""
     from hybridkv.cache.config import CacheConfig
 
     torch.set_num_threads(threads)
+    ours = OurThreads(IdleCores(threads) if adapt_threads else None)  # its first look before the load
     started = time.perf_counter()
     n_ctx = max(plan.prefill_lens[0], plan.decode_prompt + plan.warmup + plan.decode_steps, 2048) + 64
     log(f"loading {path} in both engines ({threads} threads)")
@@ -240,17 +267,17 @@ def run(
     peer = LlamaCpp(path, threads, SEQUENCES * n_ctx)
     results = []
     log("prefill_512")
-    results.append(prefill(cm, peer, plan, plan.prefill_lens[0]))
+    results.append(prefill(cm, peer, plan, plan.prefill_lens[0], ours))
     for batch in (1, SEQUENCES):
         log(f"decode_b{batch}")
         # decode_b1 is bound by the read bandwidth: a probe on either side of it
         before = read_bytes_per_second(3) if batch == 1 else None
-        results.append(decode(cm, peer, plan, batch))
+        results.append(decode(cm, peer, plan, batch, ours))
         if before is not None:
             probes = [before, read_bytes_per_second(3)]
             results[-1].notes.update(roofline(results[-1], WeightCounts.of(cm.model).decode_bytes(1), probes))
     log("chat_turn8_ttft, regenerate_ttft")
-    results.extend(chat(cm, peer, plan))
+    results.extend(chat(cm, peer, plan, ours))
     scenarios = {
         r.name: {"hybridkv": r.hybridkv, "llama.cpp": r.transformers, "unit": r.unit, "ratio": r.ratio,
                  "target_ratio": r.target, **r.notes}
@@ -259,6 +286,8 @@ def run(
     run_info = {
         "file": str(path),
         "threads": threads,
+        # hybridkv's: fixed at `threads`, or what its engine's IdleCores chose (the counts used)
+        "hybridkv_threads": sorted(ours.used) if adapt_threads else "fixed",
         "kv_dtype": str(cm.cache.spec.kv_dtype).removeprefix("torch."),  # llama.cpp's: its default, float16
         "llama_cpp_python": peer.version,
         "seconds": time.perf_counter() - started,
@@ -293,6 +322,12 @@ def print_llama_cpp(document: dict[str, Any], console: Any) -> None:
         target = "" if s["target_ratio"] is None else f"{color}≥ {s['target_ratio']:.1f}×"
         table.add_row(name, _num(s["hybridkv"]), _num(s["llama.cpp"]), s["unit"], f"{color}{s['ratio']:.2f}×", target)
     console.print(table)
+    if (used := run.get("hybridkv_threads", "fixed")) != "fixed":
+        console.print(
+            f"hybridkv on the cores other processes left idle, as its engine without --threads: "
+            f"{' or '.join(map(str, used))} thread(s) used; llama.cpp on {run['threads']}",
+            highlight=False,
+        )
     console.print(
         "ratio > 1: hybridkv better; regenerate: llama.cpp computes the whole prompt again "
         f"({document['scenarios']['regenerate_ttft']['llama_cpp_tokens_computed']} tokens), hybridkv "
