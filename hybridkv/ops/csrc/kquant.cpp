@@ -1878,10 +1878,11 @@ std::vector<int32_t> tile_pairs(const Q8K& xq) {
 // KiB: the same within noise; past the end of a thread's share or of the tensor only costs a
 // line) took 1 row, 2 threads from 37 to 51 GB/s (Q6_K), 38 to 56 (Q4_K); 8 rows Q6_K 26 → 31,
 // Q4_K the same; 16 rows nothing; the 0.8B Q4_K_M decode step 1.27x. On a Zen 4 host a software
-// prefetch of these streams was slower (0.88x; its hardware prefetcher follows them better
-// alone), so whether to ask is the flag `kq_stream_ahead` sets: `ops.quant.stream.tune` measures
-// both on the model's largest tiled weight when a model loads. Into L2 (T1, as `ahead`) or a
-// tile on (9-32 KiB): less than this on the Zen 5 host.
+// prefetch of these streams (then the next tile, into L2) made decode slower (0.88x; its hardware
+// prefetcher followed them better alone) and so did the Q8_0 products' 4 KiB fetch, so whether to
+// ask is the flag `kq_stream_ahead` sets: `ops.quant.stream.tune` measures both on the model's
+// largest tiled weight when a model loads. Into L2 (T1, as `ahead`) or a tile on (9-32 KiB):
+// less than this on the Zen 5 host.
 constexpr int64_t STREAM_AHEAD = 2048, STREAM_ROWS = 8;
 std::atomic<bool> g_stream_ahead{true};
 ALWAYS_INLINE void stream_ahead(const uint8_t* p, int64_t bytes) {

@@ -4,10 +4,11 @@ At one activation row a tiled product (`Q4_K_T`, `Q6_K_T`) reads each weight byt
 operations a cache line. Hosts disagree on what keeps that stream at the memory's bandwidth: on a
 Zen 5 host the out-of-order window alone kept too few lines in flight (one core read 21 GB/s where
 a sum reads 41), and asking for the bytes 2 KiB ahead made the 0.8B Q4_K_M decode step 1.27x
-faster; on a Zen 4 host a software prefetch of the same streams made decode slower (0.88x), its
-hardware prefetcher following them better alone. So when a model loads, `tune` times its largest
-tiled weight at one row both ways, alternating, and keeps the faster (`native_stream_ahead`, read by
-every tiled product of up to 8 rows). Either way the products are the same numbers, bit for bit.
+faster; on a Zen 4 host a software prefetch of the same streams (the next tile, into L2) made
+decode slower (0.88x), its hardware prefetcher following them better alone. So when a model
+loads, `tune` times its largest tiled weight at one row both ways, alternating, and keeps the
+faster (`native_stream_ahead`, read by every tiled product of up to 8 rows). Either way the
+products are the same numbers, bit for bit.
 """
 
 from __future__ import annotations
