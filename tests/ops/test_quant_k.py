@@ -611,10 +611,7 @@ def stream_setting():
 def test_fetching_weights_ahead_or_not_gives_the_same_products(
     stream_setting: None, file_t: GGMLType, tiled_t: GGMLType, tile: Callable[[torch.Tensor], torch.Tensor]
 ) -> None:
-    if not k_dot.native_tiles_q4_k():
-        assert stream.native_stream_ahead(True) is False  # no tiled products here: nothing to set
-        return
-    rows = weight_rows(file_t, 64, 512, seed=3)
+    rows = weight_rows(file_t, 64, 512, seed=3)  # without the tiled kernel, its fallback (no fetch)
     w, experts = tile(torch.from_numpy(rows)), tile(torch.from_numpy(rows)).view(4, 16, -1)
     for T in (1, 3, 8, 9):  # the fetch at up to 8 rows; 9 takes the next-tile form either way
         x = activations(T, 512, seed=T)
@@ -630,27 +627,41 @@ def test_fetching_weights_ahead_or_not_gives_the_same_products(
 
 
 @pytest.mark.skipif(native.kernels() is None, reason="C++ kernels could not be built here")
-def test_tune_times_the_largest_tiled_weight_only_when_it_outgrows_the_cache(
+@pytest.mark.parametrize("t", [GGMLType.Q8_0, GGMLType.Q4_1, GGMLType.Q5_0])
+def test_fetching_32_weight_rows_ahead_or_not_gives_the_same_products(stream_setting: None, t: GGMLType) -> None:
+    rows = torch.from_numpy(random_rows(block_type(t), (70,), 512, seed=5))  # the fetch at one row; 2 never
+    for T in (1, 2):
+        x = activations(T, 512, seed=T)
+        got = {}
+        for on in (True, False):
+            stream.native_stream_ahead(on)
+            got[on] = int8_dot.native_q8_matmul(x, rows, int(t))
+        assert torch.equal(got[True], got[False])
+        assert_close(got[True], int8_dot.q8_matmul_twin(x, rows, int(t)), rel=1e-5)
+
+
+@pytest.mark.skipif(native.kernels() is None, reason="C++ kernels could not be built here")
+def test_tune_times_the_largest_streamed_weight_only_when_it_outgrows_the_cache(
     stream_setting: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    small, larger = (
-        for_kernels(QuantizedWeight.of(torch.from_numpy(weight_rows(t, n, 512, seed=n)), t))
-        for t, n in ((GGMLType.Q4_K, 32), (GGMLType.Q6_K, 64))
+    small = for_kernels(
+        QuantizedWeight.of(torch.from_numpy(weight_rows(GGMLType.Q4_K, 32, 512, seed=1)), GGMLType.Q4_K)
     )
+    larger = QuantizedWeight.of(torch.from_numpy(random_rows(block_type(GGMLType.Q8_0), (96,), 512, seed=2)), 8)
+    floats = QuantizedWeight.of(torch.zeros(512, 2048, dtype=torch.uint8), GGMLType.F32)  # larger, not streamed
     held = QuantLinear((small, torch.zeros(512, 8)))
     module = torch.nn.Module()
-    module.proj, module.head = held, larger
-    assert [id(w) for w in stream.held_weights(module)] == [id(small), id(larger)]  # a part, an attribute
-    if not k_dot.native_tiles_q4_k():
-        assert stream.tune(stream.held_weights(module)) is None
-        return
+    module.proj, module.head, module.other = held, larger, floats
+    assert [id(w) for w in stream.held_weights(module)] == [id(small), id(larger), id(floats)]  # parts, attributes
+    assert [stream.streamed(w) for w in (small, larger, floats)] == [k_dot.native_tiles_q4_k(), True, False]
     stream.native_stream_ahead(False)
-    assert stream.tune([small, larger]) is None  # 100 KB fit in any last-level cache: not timed
+    assert stream.tune([small, larger, floats]) is None  # all fit in any last-level cache: not timed
     assert stream.native_stream_ahead() is False  # left as it was
     timed: list[int] = []
     monkeypatch.setattr(stream, "last_level_cache_bytes", lambda: 0)
-    real = stream.native_k_matmul
-    monkeypatch.setattr(stream, "native_k_matmul", lambda x, rows, t: timed.append(rows.numel()) or real(x, rows, t))
-    keep = stream.tune([small, larger], reps=3)
+    real = QuantizedWeight.matmul
+    monkeypatch.setattr(QuantizedWeight, "matmul", lambda w, x: timed.append(w.nbytes) or real(w, x))
+    keep = stream.tune(stream.held_weights(module), reps=3)
     assert isinstance(keep, bool) and stream.native_stream_ahead() is keep
-    assert timed == [larger.blocks.numel()] * 8  # the largest only: a warm-up and 3 of each, alternating
+    assert timed == [larger.nbytes] * 8  # the largest streamed one only: a warm-up and 3 of each, alternating
+    assert stream.tune([floats]) is None  # nothing streamed

@@ -1880,11 +1880,10 @@ std::vector<int32_t> tile_pairs(const Q8K& xq) {
 // Q4_K the same; 16 rows nothing; the 0.8B Q4_K_M decode step 1.27x. On a Zen 4 host a software
 // prefetch of these streams (then the next tile, into L2) made decode slower (0.88x; its hardware
 // prefetcher followed them better alone) and so did the Q8_0 products' 4 KiB fetch, so whether to
-// ask is the flag `kq_stream_ahead` sets: `ops.quant.stream.tune` measures both on the model's
-// largest tiled weight when a model loads. Into L2 (T1, as `ahead`) or a tile on (9-32 KiB):
+// ask is `hybridkv::stream_ahead_flag()`: `ops.quant.stream.tune` measures both on the model's
+// largest streamed weight when a model loads. Into L2 (T1, as `ahead`) or a tile on (9-32 KiB):
 // less than this on the Zen 5 host.
 constexpr int64_t STREAM_AHEAD = 2048, STREAM_ROWS = 8;
-std::atomic<bool> g_stream_ahead{true};
 ALWAYS_INLINE void stream_ahead(const uint8_t* p, int64_t bytes) {
   for (int64_t line = 0; line < bytes; line += 64)
     _mm_prefetch(reinterpret_cast<const char*>(p + STREAM_AHEAD + line), _MM_HINT_T0);
@@ -1898,7 +1897,7 @@ template <class TT>
 ALWAYS_INLINE void tile_product(const Q8K& xq, const int32_t* xpair, const uint8_t* tw, const int64_t* act,
                                 const int64_t* rows, int64_t n_rows, float* y, int64_t ldy, const uint8_t* ahead) {
   const int64_t nb = xq.K / QK_K, P = TT::pairs;
-  const bool fetch_ahead = g_stream_ahead.load(std::memory_order_relaxed);
+  const bool fetch_ahead = hybridkv::stream_ahead_flag().load(std::memory_order_relaxed);
   __m512 acc[TILE_T];
   const int8_t* a[4];
   const int32_t* xp[4];
@@ -2320,14 +2319,11 @@ bool kq_tiled() {
 #endif
 }
 
-// Whether the tiled products at up to STREAM_ROWS rows fetch their weights ahead (`stream_ahead`):
-// set < 0 asks, 0 or 1 sets; the value before.
+// Whether decode's products fetch their weights ahead (`hybridkv::stream_ahead_flag`): set < 0
+// asks, 0 or 1 sets; the value before.
 bool kq_stream_ahead(int64_t set) {
-#ifdef HYBRIDKV_TILED
-  return set < 0 ? g_stream_ahead.load() : g_stream_ahead.exchange(set != 0);
-#else
-  return false;
-#endif
+  std::atomic<bool>& on = hybridkv::stream_ahead_flag();
+  return set < 0 ? on.load() : on.exchange(set != 0);
 }
 
 }  // namespace

@@ -47,4 +47,12 @@ void claimed_for(int64_t N, int64_t chunk, const F& f, int64_t serial_below = 0)
   });
 }
 
+// Whether decode's weight streams are fetched ahead in software (the tiled K-quant products at up
+// to 8 rows, the 32-weight types' at one row): hosts disagree on what is faster, so
+// `ops.quant.stream.tune` measures it when a model loads and sets this (`kq_stream_ahead`).
+inline std::atomic<bool>& stream_ahead_flag() {
+  static std::atomic<bool> on{true};
+  return on;
+}
+
 }  // namespace hybridkv

@@ -249,8 +249,9 @@ def native_tiles_q4_k() -> bool:
 
 
 def native_stream_ahead(on: bool | None = None) -> bool:
-    """Whether the tiled products of up to 8 activation rows fetch their weights ahead
-    (`ops.quant.stream`); `on` sets it. Returns the value before (False without the tiled kernel)."""
+    """Whether decode's products fetch their weights ahead in software (`ops.quant.stream`: the
+    tiled K-quants at up to 8 activation rows, the 32-weight types at one); `on` sets it. Returns
+    the value before."""
     return bool(_ops().kq_stream_ahead(-1 if on is None else int(on)))
 
 
