@@ -422,7 +422,7 @@ def test_against_llama_cpp_on_the_same_file():
     assert "hybridkv vs llama.cpp" in text and "regenerate_ttft" in text and "bandwidth roofline" in text
     from hybridkv.bench.llama_cpp import fetch_ahead
 
-    assert doc["run"]["decode_fetch_ahead"] is fetch_ahead()  # the load's choice, None without tiled products
+    assert doc["run"]["decode_fetch_ahead"] is fetch_ahead()  # the load's choice, None without C++ kernels
     assert ("(chosen at load)" in text) == (fetch_ahead() is not None)
     assert doc["run"]["hybridkv_threads"] == "fixed" and "left idle" not in text
     adapted = run_llama_cpp(GGUF_K, 1, plan, log=lambda line: None, adapt_threads=True)  # as its engine, <= 1

@@ -298,11 +298,12 @@ def run(
 
 
 def fetch_ahead() -> bool | None:
-    """Whether decode's tiled products fetch their weights ahead here (None: no tiled products)."""
+    """Whether decode's products fetch their weights ahead here (None: no C++ kernels). The switch
+    covers the 32-weight types' products too, so it holds with or without the tiled ones."""
     from hybridkv.ops import native
-    from hybridkv.ops.quant.k_dot import native_stream_ahead, native_tiles_q4_k
+    from hybridkv.ops.quant.k_dot import native_stream_ahead
 
-    return native_stream_ahead() if native.enabled() and native_tiles_q4_k() else None
+    return native_stream_ahead() if native.enabled() else None
 
 
 def print_llama_cpp(document: dict[str, Any], console: Any) -> None:
