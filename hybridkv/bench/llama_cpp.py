@@ -52,6 +52,7 @@ class LlamaCpp:
                 "bench --peer llama.cpp needs llama-cpp-python: pip install 'hybridkv[peers]' (it builds llama.cpp)"
             ) from None
         self.version = str(getattr(llama_cpp, "__version__", "?"))
+        _refuse_amx(llama_cpp.llama_print_system_info().decode(errors="replace"))
         set_verbose(False)  # llama.cpp's log (every graph input of every context) only on errors
         model_params = llama_cpp.llama_model_default_params()
         self.model = _internals.LlamaModel(path_model=str(path), params=model_params, verbose=False)
@@ -83,6 +84,29 @@ class LlamaCpp:
             self.ctx.decode(self.batch)
         for seq, ids in tokens.items():
             self.positions[seq] += len(ids)
+
+
+# A build of llama-cpp-python without llama.cpp's AMX kernels, its other kernels as -march=native
+# picks them on an AVX-512 CPU with AMX (Sapphire Rapids and later).
+NO_AMX_BUILD = (
+    "CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_BMI2=ON -DGGML_FMA=ON -DGGML_F16C=ON "
+    "-DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON' "
+    "pip install --no-cache-dir --force-reinstall --no-deps llama-cpp-python"
+)
+
+
+def _refuse_amx(system_info: str) -> None:
+    """llama.cpp built with its AMX kernels (`AMX_INT8 = 1` in its system info) puts the weights in
+    its AMX buffers, and on these hybrid models its first product of more than one row segfaults
+    in `ggml_backend_amx_mul_mat` (seen here on a Xeon with AMX for every prompt of 32 and 512
+    tokens; ggml-org/llama.cpp#20824, ollama/ollama#17236), which would take the bench down with
+    it: refuse, naming the build that runs."""
+    if "AMX_INT8 = 1" in system_info:
+        raise NotSupported(
+            "bench --peer llama.cpp: this llama-cpp-python was built with llama.cpp's AMX kernels, which "
+            "segfault on qwen35/qwen3next prompts (ggml-org/llama.cpp#20824); rebuild it without them: "
+            + NO_AMX_BUILD
+        )
 
 
 def _alternate(plan: Plan, ours: Callable[[], float], theirs: Callable[[], float]) -> tuple[float, float]:
