@@ -5,7 +5,9 @@ weights in float64."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -621,6 +623,50 @@ def test_fetching_weights_ahead_or_not_gives_the_same_products(
         for on in (True, False):
             stream.native_stream_ahead(on)
             assert stream.native_stream_ahead() is on
+            got[on] = (k_dot.native_k_matmul(x, w, tiled_t), k_dot.native_k_experts_matmul(x, experts, ids, tiled_t))
+        assert torch.equal(got[True][0], got[False][0]) and torch.equal(got[True][1], got[False][1])
+        assert_close(got[True][0], torch.from_numpy(want), rel=1e-6)
+
+
+@pytest.fixture
+def amx_setting():
+    """Whether the tiled products use AMX, put back as it was after the test."""
+    before = k_dot.native_amx()
+    yield
+    k_dot.native_amx(before)
+
+
+def _cpu_has_amx() -> bool:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return False
+    return {"amx_tile", "amx_int8"} <= set(flags.split())
+
+
+@pytest.mark.skipif(native.kernels() is None, reason="C++ kernels could not be built here")
+@pytest.mark.parametrize(("file_t", "tiled_t", "tile"), TILED, ids=lambda v: getattr(v, "name", ""))
+def test_amx_tiles_or_dot_instructions_give_the_same_products(
+    amx_setting: None, file_t: GGMLType, tiled_t: GGMLType, tile: Callable[[torch.Tensor], torch.Tensor]
+) -> None:
+    """Where AMX runs (Q4_K at 16+ activation rows), the same floats as the dot instructions, bit for
+    bit: rows in place (16 consecutive) and gathered (an expert's rows; a last group of fewer than 16,
+    padded). Where it cannot run, the switch stays off; a native build on a Linux CPU with AMX-INT8
+    must have it."""
+    k_dot.native_amx(True)
+    available = k_dot.native_amx()
+    if _cpu_has_amx() and not os.environ.get(native.ARCH_ENV) and k_dot.native_tiles_q4_k():
+        assert available, "a native build on a CPU with AMX-INT8 should run the tiled Q4_K products on it"
+    rows = weight_rows(file_t, 64, 512, seed=7)
+    w, experts = tile(torch.from_numpy(rows)), tile(torch.from_numpy(rows)).view(4, 16, -1)
+    for T in (15, 16, 17, 33, 56, 70):
+        x = activations(T, 512, seed=T)
+        ids = torch.arange(3 * T) % 4  # each expert meets rows from all over x: gathered
+        _, _, want = emulate(x.numpy(), rows, file_t)
+        got = {}
+        for on in (True, False):
+            k_dot.native_amx(on)
+            assert k_dot.native_amx() is (on and available)
             got[on] = (k_dot.native_k_matmul(x, w, tiled_t), k_dot.native_k_experts_matmul(x, experts, ids, tiled_t))
         assert torch.equal(got[True][0], got[False][0]) and torch.equal(got[True][1], got[False][1])
         assert_close(got[True][0], torch.from_numpy(want), rel=1e-6)

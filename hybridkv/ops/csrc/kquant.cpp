@@ -33,6 +33,11 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include "experts.h"
 #include "ops.h"
 #include "parallel.h"
@@ -1889,6 +1894,171 @@ ALWAYS_INLINE void stream_ahead(const uint8_t* p, int64_t bytes) {
     _mm_prefetch(reinterpret_cast<const char*>(p + STREAM_AHEAD + line), _MM_HINT_T0);
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#define HYBRIDKV_AMX 1
+// Intel AMX (Sapphire Rapids on): one tile instruction multiplies 16 rows × 64 signed bytes by
+// 64 × 16 bytes (in 4-byte groups a row) into 16 × 16 i32 sums, 16,384 products where a
+// `vpdpbusd` does 64. Tiled Q4_K products of 16+ activation rows (prefill chunks, chat turns)
+// run on it: A = 16 activation rows' Q8_K bytes, 64 (two sub-blocks) a tile; B = the weight
+// tile's codes times their sub-block's scale, which a 64-byte group of the tiled layout (16
+// weight rows × 4 codes: a row of B as it lies) shares. A 6-bit scale times a 4-bit code does not
+// fit a byte, so each scale is split, sc = 8·hi + lo (3 bits each), into two B tiles of byte
+// products (at most 7·15), and C_hi, C_lo (row t lane r) sum a whole super-block's products each:
+// 16·S = 128·C_hi + 16·C_lo, the integer `tiled_superblock` sums with dot instructions, turned into
+// floats the same way, so the products are the same floats, bit for bit (tested against each
+// other). Per sub-block tiles of the scale-free codes, each scaled after, measured 1.2-1.3x the
+// dot instructions (the tile loads and stores of 32 codes a row, not the products, were the
+// cost); these 2x-2.5x (below). Q6_K's 8-bit scales times 6-bit codes would take three tiles.
+
+// Linux gives a process AMX's tile state only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XTILEDATA); a tile instruction before then faults. Whether it was given; asked once.
+bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+// Whether the tiled Q4_K products use AMX where they can (`kq_amx`: the tests compare both ways).
+std::atomic<bool>& amx_flag() {
+  static std::atomic<bool> on{amx_permitted()};
+  return on;
+}
+constexpr int64_t AMX_ROWS = 16;  // activation rows a tile pass takes; products of fewer keep the dot instructions
+
+// LDTILECFG's 64 bytes: palette 1, then each tile's bytes per row and rows: all eight 16 × 64.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  TileConfig() {
+    for (int i = 0; i < 8; ++i) colsb[i] = 64, rows[i] = 16;
+  }
+};
+
+// A tiled Q4_K super-block staged for the tiles: B tiles hi[c], lo[c] (c < 4: activation bytes
+// 64c..64c+63, rows 0-7 sub-block 2c's code groups g, rows 8-15 sub-block 2c+1's), the byte
+// products code·sc_hi and code·sc_lo by table (`vpermi2b` on (s << 4) | code), and the scales
+// for the mins and the float step.
+struct Q4Staged {
+  alignas(64) uint8_t hi[4][16][64], lo[4][16][64];
+  __m512i mins[4];
+  __m512 d16, dmin;
+
+  ALWAYS_INLINE void stage(const uint8_t* tb, __m512i table0, __m512i table1) {
+    const __m512i low = _mm512_set1_epi8(15), bytes = _mm512_set1_epi32(0x01010101);
+    for (int c = 0; c < 4; ++c) {
+      __m512i sel[2][2];  // [sub-block 2c, 2c + 1][hi, lo]: (s << 4) in every byte of row r's lane
+      for (int h = 0; h < 2; ++h) {
+        const __m512i sc = tile_value(tb + 64 + 12 * (2 * c + h));
+        sel[h][0] = _mm512_mullo_epi32(_mm512_slli_epi32(_mm512_srli_epi32(sc, 3), 4), bytes);
+        sel[h][1] = _mm512_mullo_epi32(_mm512_slli_epi32(_mm512_and_si512(sc, _mm512_set1_epi32(7)), 4), bytes);
+      }
+      for (int g = 0; g < 8; ++g) {
+        const __m512i codes = _mm512_loadu_si512(tb + 256 + 64 * (8 * c + g));
+        const __m512i q[2] = {_mm512_and_si512(codes, low), _mm512_and_si512(_mm512_srli_epi16(codes, 4), low)};
+        for (int h = 0; h < 2; ++h) {
+          _mm512_store_si512(hi[c][8 * h + g], _mm512_permutex2var_epi8(table0, _mm512_or_si512(q[h], sel[h][0]), table1));
+          _mm512_store_si512(lo[c][8 * h + g], _mm512_permutex2var_epi8(table0, _mm512_or_si512(q[h], sel[h][1]), table1));
+        }
+      }
+    }
+    const TileScales k(tb, AMX_ROWS);
+    for (int j = 0; j < 4; ++j) mins[j] = k.mins[j];
+    d16 = k.d16, dmin = k.dmin;
+  }
+
+  // Activation row t's C_hi, C_lo (16 i32 each) into its accumulator, as `tiled_superblock` does.
+  ALWAYS_INLINE void finish(const int32_t* c_hi, const int32_t* c_lo, const int32_t* xpair, float dx, float* acc,
+                            bool first) const {
+    const __m512i S = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c_hi), 7),
+                                       _mm512_slli_epi32(_mm512_load_si512(c_lo), 4));
+    __m512i M = _mm512_setzero_si512();
+    for (int j = 0; j < 4; ++j) M = _mm512_dpwssd_epi32(M, mins[j], _mm512_set1_epi32(xpair[j]));
+    const __m512 x = _mm512_set1_ps(dx);
+    __m512 a = _mm512_fmadd_ps(_mm512_mul_ps(d16, x), _mm512_cvtepi32_ps(S), first ? _mm512_setzero_ps() : _mm512_load_ps(acc));
+    a = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, x), _mm512_cvtepi32_ps(M), a);
+    _mm512_store_ps(acc, a);
+  }
+};
+
+// 16 activation rows ga[0..n) (n <= 16) of super-block b as an A source: in place where there are
+// 16 consecutive rows, else copied into `gathered` (rows past n zero).
+ALWAYS_INLINE const int8_t* amx_rows(const Q8K& xq, const int64_t* ga, int64_t n, int64_t b, int8_t* gathered,
+                                     int64_t& stride) {
+  bool consecutive = n == 16;
+  for (int64_t i = 1; i < n && consecutive; ++i) consecutive = ga[i] == ga[0] + i;
+  stride = consecutive ? xq.K : QK_K;
+  if (consecutive) return xq.q + ga[0] * xq.K + b * QK_K;
+  for (int64_t i = 0; i < 16; ++i) {
+    if (i < n) std::memcpy(gathered + i * QK_K, xq.q + ga[i] * xq.K + b * QK_K, QK_K);
+    else std::memset(gathered + i * QK_K, 0, QK_K);
+  }
+  return gathered;
+}
+
+// `tile_product` for Q4_K on AMX (n_rows >= 16): each weight super-block staged once for all the
+// rows, which meet it 32 at a time (two groups of 16: tiles 0-3 their C_hi, C_lo, 4-5 their A,
+// 6-7 the B tiles, each B loaded once for both).
+void tile_product_amx(const Q8K& xq, const int32_t* xpair, const uint8_t* tw, const int64_t* act, const int64_t* rows,
+                      int64_t n_rows, float* y, int64_t ldy, const uint8_t* ahead) {
+  const int64_t nb = xq.K / QK_K;
+  alignas(64) uint8_t table[128];  // (s << 4) | code → s·code
+  for (int i = 0; i < 128; ++i) table[i] = static_cast<uint8_t>((i >> 4) * (i & 15));
+  const __m512i table0 = _mm512_load_si512(table), table1 = _mm512_load_si512(table + 64);
+  Q4Staged st;
+  alignas(64) int32_t C[4][256];
+  alignas(64) int8_t gathered[2][16 * QK_K];
+  alignas(64) float acc[TILE_T * 16];
+  const TileConfig config;
+  _tile_loadconfig(&config);  // at every product: another library on this thread (oneDNN) may have changed it
+  for (int64_t t0 = 0; t0 < n_rows; t0 += TILE_T) {
+    const int64_t n = std::min(TILE_T, n_rows - t0);
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* tb = tw + b * kTileSB;
+      if (t0 == 0 && ahead != nullptr)
+        for (int64_t line = 0; line < kTileSB; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(ahead + b * kTileSB + line), _MM_HINT_T1);
+      st.stage(tb, table0, table1);
+      for (int64_t g = 0; g < n; g += 32) {
+        const int64_t n0 = std::min<int64_t>(16, n - g), n1 = std::min<int64_t>(16, n - g - n0);
+        int64_t s0 = 0, s1 = 0;
+        const int8_t* a0 = amx_rows(xq, act + t0 + g, n0, b, gathered[0], s0);
+        const int8_t* a1 = n1 > 0 ? amx_rows(xq, act + t0 + g + 16, n1, b, gathered[1], s1) : nullptr;
+        _tile_zero(0);
+        _tile_zero(1);
+        if (a1 != nullptr) {
+          _tile_zero(2);
+          _tile_zero(3);
+        }
+        for (int c = 0; c < 4; ++c) {
+          _tile_loadd(6, st.hi[c], 64);
+          _tile_loadd(7, st.lo[c], 64);
+          _tile_loadd(4, a0 + 64 * c, s0);
+          _tile_dpbssd(0, 4, 6);
+          _tile_dpbssd(1, 4, 7);
+          if (a1 != nullptr) {
+            _tile_loadd(5, a1 + 64 * c, s1);
+            _tile_dpbssd(2, 5, 6);
+            _tile_dpbssd(3, 5, 7);
+          }
+        }
+        _tile_stored(0, C[0], 64);
+        _tile_stored(1, C[1], 64);
+        if (a1 != nullptr) {
+          _tile_stored(2, C[2], 64);
+          _tile_stored(3, C[3], 64);
+        }
+        for (int64_t i = 0; i < n0 + n1; ++i) {
+          const int64_t row = act[t0 + g + i], at = i < 16 ? 0 : 2;
+          st.finish(C[at] + 16 * (i % 16), C[at + 1] + 16 * (i % 16), &xpair[(row * nb + b) * Tile4::pairs],
+                    xq.d[row * nb + b], acc + 16 * (g + i), b == 0);
+        }
+      }
+    }
+    for (int64_t t = 0; t < n; ++t) std::memcpy(y + rows[t0 + t] * ldy, acc + 16 * t, 64);
+  }
+  _tile_release();
+}
+#endif
+
 // One tile of 16 rows (tw, its nb super-blocks) against activation rows act[0..n): y + rows[t]·ldy
 // gets row act[t]'s 16 products. The rows' super-blocks are met TILE_T at a time, 4 in registers
 // at once. With many rows, the super-blocks of `ahead` (the next tile, or nullptr) are fetched
@@ -1896,6 +2066,11 @@ ALWAYS_INLINE void stream_ahead(const uint8_t* p, int64_t bytes) {
 template <class TT>
 ALWAYS_INLINE void tile_product(const Q8K& xq, const int32_t* xpair, const uint8_t* tw, const int64_t* act,
                                 const int64_t* rows, int64_t n_rows, float* y, int64_t ldy, const uint8_t* ahead) {
+#ifdef HYBRIDKV_AMX
+  if constexpr (std::is_same_v<TT, Tile4>)
+    if (n_rows >= AMX_ROWS && amx_flag().load(std::memory_order_relaxed))
+      return tile_product_amx(xq, xpair, tw, act, rows, n_rows, y, ldy, ahead);
+#endif
   const int64_t nb = xq.K / QK_K, P = TT::pairs;
   const bool fetch_ahead = hybridkv::stream_ahead_flag().load(std::memory_order_relaxed);
   __m512 acc[TILE_T];
@@ -2319,6 +2494,17 @@ bool kq_tiled() {
 #endif
 }
 
+// Whether the tiled products of 16+ activation rows use AMX (set < 0 asks, 0 or 1 sets; setting 1
+// where AMX cannot run leaves it off): the value before. False where it cannot run.
+bool kq_amx(int64_t set) {
+#ifdef HYBRIDKV_AMX
+  std::atomic<bool>& on = amx_flag();
+  return set < 0 ? on.load() : on.exchange(set != 0 && amx_permitted());
+#else
+  return false;
+#endif
+}
+
 // Whether decode's products fetch their weights ahead (`hybridkv::stream_ahead_flag`): set < 0
 // asks, 0 or 1 sets; the value before.
 bool kq_stream_ahead(int64_t set) {
@@ -2351,6 +2537,7 @@ TORCH_LIBRARY_FRAGMENT(hybridkv, m) {
   m.def("kq_tile_q6_k(Tensor rows, bool inverse) -> Tensor");
   m.def("kq_tiled() -> bool", kq_tiled);  // whether this build has the tiled kernel
   m.def("kq_stream_ahead(int set) -> bool", kq_stream_ahead);
+  m.def("kq_amx(int set) -> bool", kq_amx);
 }
 
 TORCH_LIBRARY_IMPL(hybridkv, CPU, m) {

@@ -255,6 +255,13 @@ def native_stream_ahead(on: bool | None = None) -> bool:
     return bool(_ops().kq_stream_ahead(-1 if on is None else int(on)))
 
 
+def native_amx(on: bool | None = None) -> bool:
+    """Whether the tiled K-quant products of 16 or more activation rows run on AMX's tile
+    instructions (a CPU with AMX-INT8, Linux, and a build for it; the same numbers as without);
+    `on` sets it (on where AMX cannot run leaves it off). Returns the value before."""
+    return bool(_ops().kq_amx(-1 if on is None else int(on)))
+
+
 def native_k_experts_matmul(
     x: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, ggml_id: int, isa: str = "auto"
 ) -> torch.Tensor:
