@@ -402,9 +402,10 @@ def test_a_llama_cpp_with_its_amx_kernels_is_refused_with_the_build_that_runs(mo
     fake.llama_print_system_info = lambda: b"CPU : AVX512 = 1 | AVX512_VNNI = 1 | AMX_INT8 = 1 | OPENMP = 1 |"  # type: ignore[attr-defined]
     logger = types.ModuleType("llama_cpp._logger")
     logger.set_verbose = lambda verbose: None  # type: ignore[attr-defined]
-    for name, module in {"llama_cpp": fake, "llama_cpp._internals": types.ModuleType("x"), "llama_cpp._logger": logger}.items():
+    internals = types.ModuleType("llama_cpp._internals")
+    fake._internals = internals  # type: ignore[attr-defined]
+    for name, module in {"llama_cpp": fake, "llama_cpp._internals": internals, "llama_cpp._logger": logger}.items():
         monkeypatch.setitem(sys.modules, name, module)
-    fake._internals = sys.modules["llama_cpp._internals"]  # type: ignore[attr-defined]
     assert cli.main(["bench", "--peer", "llama.cpp", "--model", str(GGUF_K), "--quick"]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "AMX kernels" in err and "-DGGML_NATIVE=OFF" in err and "-DGGML_AMX" not in err

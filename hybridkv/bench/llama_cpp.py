@@ -104,8 +104,7 @@ def _refuse_amx(system_info: str) -> None:
     if "AMX_INT8 = 1" in system_info:
         raise NotSupported(
             "bench --peer llama.cpp: this llama-cpp-python was built with llama.cpp's AMX kernels, which "
-            "segfault on qwen35/qwen3next prompts (ggml-org/llama.cpp#20824); rebuild it without them: "
-            + NO_AMX_BUILD
+            "segfault on qwen35/qwen3next prompts (ggml-org/llama.cpp#20824); rebuild it without them: " + NO_AMX_BUILD
         )
 
 
