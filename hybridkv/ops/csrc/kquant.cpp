@@ -2007,8 +2007,6 @@ void tile_product_amx(const Q8K& xq, const int32_t* xpair, const uint8_t* tw, co
   alignas(64) int32_t C[4][256];
   alignas(64) int8_t gathered[2][16 * QK_K];
   alignas(64) float acc[TILE_T * 16];
-  const TileConfig config;
-  _tile_loadconfig(&config);  // at every product: another library on this thread (oneDNN) may have changed it
   for (int64_t t0 = 0; t0 < n_rows; t0 += TILE_T) {
     const int64_t n = std::min(TILE_T, n_rows - t0);
     for (int64_t b = 0; b < nb; ++b) {
@@ -2028,16 +2026,34 @@ void tile_product_amx(const Q8K& xq, const int32_t* xpair, const uint8_t* tw, co
           _tile_zero(2);
           _tile_zero(3);
         }
-        for (int c = 0; c < 4; ++c) {
-          _tile_loadd(6, st.hi[c], 64);
-          _tile_loadd(7, st.lo[c], 64);
-          _tile_loadd(4, a0 + 64 * c, s0);
-          _tile_dpbssd(0, 4, 6);
-          _tile_dpbssd(1, 4, 7);
-          if (a1 != nullptr) {
-            _tile_loadd(5, a1 + 64 * c, s1);
+        // Tiles are not renamed: each is loaded again for the next 64 bytes right after its last
+        // use, so that the loads run while the other products do.
+        _tile_loadd(6, st.hi[0], 64);
+        _tile_loadd(4, a0, s0);
+        _tile_loadd(7, st.lo[0], 64);
+        if (a1 != nullptr) {
+          _tile_loadd(5, a1, s1);
+          for (int c = 0; c < 4; ++c) {
+            _tile_dpbssd(0, 4, 6);
             _tile_dpbssd(2, 5, 6);
+            if (c < 3) _tile_loadd(6, st.hi[c + 1], 64);
+            _tile_dpbssd(1, 4, 7);
+            if (c < 3) _tile_loadd(4, a0 + 64 * (c + 1), s0);
             _tile_dpbssd(3, 5, 7);
+            if (c < 3) {
+              _tile_loadd(7, st.lo[c + 1], 64);
+              _tile_loadd(5, a1 + 64 * (c + 1), s1);
+            }
+          }
+        } else {
+          for (int c = 0; c < 4; ++c) {
+            _tile_dpbssd(0, 4, 6);
+            if (c < 3) _tile_loadd(6, st.hi[c + 1], 64);
+            _tile_dpbssd(1, 4, 7);
+            if (c < 3) {
+              _tile_loadd(4, a0 + 64 * (c + 1), s0);
+              _tile_loadd(7, st.lo[c + 1], 64);
+            }
           }
         }
         _tile_stored(0, C[0], 64);
@@ -2055,21 +2071,54 @@ void tile_product_amx(const Q8K& xq, const int32_t* xpair, const uint8_t* tw, co
     }
     for (int64_t t = 0; t < n; ++t) std::memcpy(y + rows[t0 + t] * ldy, acc + 16 * t, 64);
   }
-  _tile_release();
+}
+
+// This thread's tiles configured for `tile_product_amx` while it lives, where `use`, and released
+// after: per thread's share of a product (a configuration per 16-row tile was 8% of a 64-row
+// product), and never across calls, since another library on the thread (oneDNN) may configure or
+// release the tiles in between.
+struct AmxTiles {
+  const bool on;
+  explicit AmxTiles(bool use) : on(use) {
+    if (on) {
+      const TileConfig config;
+      _tile_loadconfig(&config);
+    }
+  }
+  ~AmxTiles() {
+    if (on) _tile_release();
+  }
+  AmxTiles(const AmxTiles&) = delete;
+  AmxTiles& operator=(const AmxTiles&) = delete;
+};
+
+// Whether a TT product whose tiles meet up to `most_rows` activation rows at once runs on AMX.
+template <class TT>
+bool amx_for(int64_t most_rows) {
+  return std::is_same_v<TT, Tile4> && most_rows >= AMX_ROWS && amx_flag().load(std::memory_order_relaxed);
+}
+#else
+struct AmxTiles {
+  explicit AmxTiles(bool) {}
+};
+template <class TT>
+bool amx_for(int64_t) {
+  return false;
 }
 #endif
 
 // One tile of 16 rows (tw, its nb super-blocks) against activation rows act[0..n): y + rows[t]·ldy
 // gets row act[t]'s 16 products. The rows' super-blocks are met TILE_T at a time, 4 in registers
 // at once. With many rows, the super-blocks of `ahead` (the next tile, or nullptr) are fetched
-// meanwhile; with few (decode), the bytes STREAM_AHEAD on (see there).
+// meanwhile; with few (decode), the bytes STREAM_AHEAD on (see there). `amx`: this thread's tiles
+// are configured (`AmxTiles`) for Q4_K's 16+ rows.
 template <class TT>
 ALWAYS_INLINE void tile_product(const Q8K& xq, const int32_t* xpair, const uint8_t* tw, const int64_t* act,
-                                const int64_t* rows, int64_t n_rows, float* y, int64_t ldy, const uint8_t* ahead) {
+                                const int64_t* rows, int64_t n_rows, float* y, int64_t ldy, const uint8_t* ahead,
+                                [[maybe_unused]] bool amx) {
 #ifdef HYBRIDKV_AMX
   if constexpr (std::is_same_v<TT, Tile4>)
-    if (n_rows >= AMX_ROWS && amx_flag().load(std::memory_order_relaxed))
-      return tile_product_amx(xq, xpair, tw, act, rows, n_rows, y, ldy, ahead);
+    if (amx && n_rows >= AMX_ROWS) return tile_product_amx(xq, xpair, tw, act, rows, n_rows, y, ldy, ahead);
 #endif
   const int64_t nb = xq.K / QK_K, P = TT::pairs;
   const bool fetch_ahead = hybridkv::stream_ahead_flag().load(std::memory_order_relaxed);
@@ -2113,10 +2162,12 @@ void tiled_matmul(const Q8K& xq, const uint8_t* w, int64_t N, float* y, int64_t 
   const std::vector<int32_t> xpair = tile_pairs<TT>(xq);
   std::vector<int64_t> rows(T);
   for (int64_t t = 0; t < T; ++t) rows[t] = t;
+  const bool amx = amx_for<TT>(T);
   hybridkv::claimed_for(N / 16, hybridkv::claim_items(tile_bytes, 1), [&](int64_t i0, int64_t i1) {
+    const AmxTiles tiles(amx);
     for (int64_t i = i0; i < i1; ++i)
       tile_product<TT>(xq, xpair.data(), w + i * tile_bytes, rows.data(), rows.data(), T, y + 16 * i, ldy,
-                       i + 1 < N / 16 ? w + (i + 1) * tile_bytes : nullptr);
+                       i + 1 < N / 16 ? w + (i + 1) * tile_bytes : nullptr, amx);
   });
 }
 
@@ -2132,12 +2183,16 @@ void tiled_experts(const Q8K& xq, const uint8_t* w, const int64_t* ids, int64_t 
   for (int64_t i = 0; i < P; ++i) act[i] = pairs[i] / per;
   const int64_t G = static_cast<int64_t>(start.size()) - 1;
   auto tile_at = [&](int64_t g, int64_t i) { return w + (ids[pairs[start[g]]] * tiles + i) * tile_bytes; };
+  int64_t most = 0;
+  for (int64_t g = 0; g < G; ++g) most = std::max(most, start[g + 1] - start[g]);
+  const bool amx = amx_for<TT>(most);
   hybridkv::claimed_for(G * tiles, hybridkv::claim_items(tile_bytes, 1), [&](int64_t u0, int64_t u1) {
+    const AmxTiles amx_tiles(amx);
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t g = u / tiles, i = u % tiles;
       const uint8_t* ahead = i + 1 < tiles ? tile_at(g, i + 1) : g + 1 < G ? tile_at(g + 1, 0) : nullptr;
       tile_product<TT>(xq, xpair.data(), tile_at(g, i), act.data() + start[g], pairs.data() + start[g],
-                       start[g + 1] - start[g], y + 16 * i, N, ahead);
+                       start[g + 1] - start[g], y + 16 * i, N, ahead, amx);
     }
   });
 }
